@@ -1,0 +1,1 @@
+"""vlm_kv.train"""

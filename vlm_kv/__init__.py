@@ -1,0 +1,13 @@
+"""vlm-kv: compressed KV caches for vision-language models on stock transformers.
+
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.1)
+    model.generate(**inputs, past_key_values=cache)
+"""
+
+from vlm_kv.api import attach, make_cache
+from vlm_kv.budget import Budget, BudgetError
+from vlm_kv.cache import CacheMisuseError, CompressedCache
+from vlm_kv.policies import POLICIES
+
+__all__ = ["make_cache", "attach", "Budget", "BudgetError", "CompressedCache", "CacheMisuseError", "POLICIES"]
+__version__ = "0.1.0"

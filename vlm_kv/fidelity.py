@@ -1,0 +1,136 @@
+"""How far a compressed cache moves a real model's next-token distributions from the full cache.
+
+Prefill ``context`` tokens of a text with the policy, feed the next ``continuation`` tokens one
+at a time, and compare each next-token distribution with the full cache's: mean KL(full ||
+compressed), top-1 agreement, and the NLL of the true next tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from vlm_kv.api import make_cache
+
+
+@dataclass
+class FidelityResult:
+    policy: str
+    budget: float
+    context: int
+    continuation: int
+    kl: float
+    top1: float
+    nll: float
+    kv_bytes: int
+    full_kv_bytes: int
+    max_kv_bytes: int
+    full_nll: float = float("nan")
+    decode_ms_per_token: float = float("nan")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def json_fields(self) -> dict:
+        keys = ("policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes", "full_kv_bytes", "max_kv_bytes")
+        return {k: getattr(self, k) for k in keys}
+
+
+def text_tokens(tokenizer, path: str, offset: int, count: int) -> torch.Tensor:
+    """``count`` token ids of the text file starting at character ``offset``; [1, count]."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if offset >= len(text):
+        raise ValueError(f"--offset {offset} is past the end of {path} ({len(text)} characters)")
+    # Tokenize a generous slice only: whole novels take seconds to tokenize.
+    chunk = text[offset : offset + count * 12]
+    ids = tokenizer(chunk, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < count:
+        raise ValueError(f"{path} from offset {offset} has only {ids.shape[1]} tokens, {count} needed")
+    return ids[:, :count]
+
+
+@torch.no_grad()
+def run_reference(model, ids: torch.Tensor, context: int, progress: bool = False) -> tuple[torch.Tensor, int]:
+    """Full-cache log-probs for each fed token ([M, V]) and the full cache's bytes at the end."""
+    cache = DynamicCache(config=model.config)
+    logps, _ = _feed(model, cache, ids, context, progress, "full cache")
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return logps, nbytes
+
+
+def _feed(model, cache, ids, context, progress, label) -> tuple[torch.Tensor, float]:
+    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+    steps = ids.shape[1] - 1 - context
+    out = []
+    start = time.perf_counter()
+    for i in tqdm(range(steps), desc=label, disable=not progress, leave=False):
+        tok = ids[:, context + i : context + i + 1]
+        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        out.append(F.log_softmax(logits, dim=-1)[0])
+    elapsed = (time.perf_counter() - start) / max(steps, 1)
+    return torch.stack(out), elapsed * 1000
+
+
+@torch.no_grad()
+def measure(
+    model,
+    ids: torch.Tensor,
+    context: int,
+    policy: str,
+    budget: float,
+    reference: tuple[torch.Tensor, int],
+    progress: bool = False,
+    cache_factory: Callable | None = None,
+    **cache_kwargs,
+) -> FidelityResult:
+    """Compare one policy at one budget with a precomputed full-cache reference."""
+    ref_logps, full_bytes = reference
+    cache = cache_factory() if cache_factory else make_cache(model, policy=policy, budget=budget, **cache_kwargs)
+    logps, ms = _feed(model, cache, ids, context, progress, f"{policy} @ {budget}")
+    targets = ids[0, context + 1 :]
+    kl = F.kl_div(logps, ref_logps, log_target=True, reduction="none").sum(-1)
+    top1 = (logps.argmax(-1) == ref_logps.argmax(-1)).float()
+    nll = -logps.gather(1, targets[:, None]).squeeze(1)
+    full_nll = -ref_logps.gather(1, targets[:, None]).squeeze(1)
+    if hasattr(cache, "kv_bytes"):
+        held, peak = cache.kv_bytes()["total"], cache.max_kv_bytes
+    else:
+        held = peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return FidelityResult(
+        policy=policy,
+        budget=budget,
+        context=context,
+        continuation=int(targets.numel()),
+        kl=float(kl.mean()),
+        top1=float(top1.mean()),
+        nll=float(nll.mean()),
+        kv_bytes=int(held),
+        full_kv_bytes=int(full_bytes),
+        max_kv_bytes=int(peak),
+        full_nll=float(full_nll.mean()),
+        decode_ms_per_token=ms,
+    )
+
+
+def fidelity(
+    model,
+    tokenizer,
+    text_path: str,
+    context: int,
+    continuation: int,
+    runs: list[tuple[str, float]],
+    offset: int = 0,
+    progress: bool = False,
+    **cache_kwargs,
+) -> list[FidelityResult]:
+    """Measure several (policy, budget) pairs against one shared full-cache reference."""
+    ids = text_tokens(tokenizer, text_path, offset, context + continuation + 1)
+    reference = run_reference(model, ids, context, progress)
+    return [measure(model, ids, context, p, b, reference, progress, **cache_kwargs) for p, b in runs]

@@ -1,0 +1,96 @@
+"""What every eviction scorer shares: the context it scores in and the protected entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vlm_kv.attention import attention_probs
+from vlm_kv.storage import PaddedView
+
+
+@dataclass
+class ScoreContext:
+    """Everything a scorer may look at for one layer at an eviction step."""
+
+    layer_idx: int
+    num_layers: int
+    view: PaddedView                       # stored entries, [B, H, L] layout
+    window_queries: torch.Tensor | None    # [B, Hq, w, D] most recent queries of this layer
+    window_positions: torch.Tensor | None  # [w]
+    scaling: float | None
+    seen: int                              # tokens seen so far (the next position)
+    capacity: torch.Tensor                 # [B] average tokens per head this step keeps
+    generator: torch.Generator | None = None
+
+    def window_attention(self) -> torch.Tensor:
+        """Attention of the remembered queries on every entry, summed over queries: [B, H, g, L]."""
+        if self.window_queries is None or self.window_queries.shape[2] == 0:
+            raise RuntimeError("this scorer needs recent queries but the layer kept none")
+        probs = attention_probs(self.window_queries, self.view, self.window_positions, self.scaling)
+        return probs.sum(dim=3)
+
+
+class Scorer:
+    """Scores the entries of one layer; higher means keep.
+
+    Subclasses are dataclasses with their parameters. Class attributes say what the cache must
+    record for them: ``state_names`` (per-entry state kept beside each entry) and
+    ``query_window`` (how many recent queries each layer remembers).
+    """
+
+    name: ClassVar[str] = "base"
+    state_names: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def query_window(self) -> int:
+        return 0
+
+    @property
+    def sinks(self) -> int:
+        return 0
+
+    def protected_window(self, capacity: int) -> int:
+        """Most recent tokens always kept, for a head capacity of ``capacity`` tokens."""
+        return 0
+
+    def observe(self, store, query: torch.Tensor, view: PaddedView, query_positions: torch.Tensor,
+                scaling: float | None) -> None:
+        """Called after every attention call of a layer (prefill and decode)."""
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def protect(
+    scores: torch.Tensor,
+    view: PaddedView,
+    sinks: int,
+    windows: torch.Tensor,
+    first_positions: torch.Tensor,
+    seen: int,
+) -> torch.Tensor:
+    """Sinks and recent windows to +inf, empty slots to -inf. windows/first_positions: [B]."""
+    pos = view.positions
+    scores = scores.float()
+    protected = torch.zeros_like(view.valid)
+    if sinks > 0:
+        protected |= (pos - first_positions.view(-1, 1, 1)) < sinks
+    protected |= pos >= (seen - windows).view(-1, 1, 1)
+    scores = torch.where(protected, torch.full_like(scores, float("inf")), scores)
+    return scores.masked_fill(~view.valid, float("-inf"))
+
+
+def pool_along_entries(scores: torch.Tensor, kernel: int, mode: str = "avg") -> torch.Tensor:
+    """1-D pooling of [B, H, L] scores along each head's stored order (SnapKV's smoothing)."""
+    if kernel <= 1:
+        return scores
+    b, h, length = scores.shape
+    flat = scores.reshape(b * h, 1, length)
+    if mode == "max":
+        pooled = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return pooled[..., :length].reshape(b, h, length)

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vlm_kv.attention import attention_received
+from vlm_kv.policies.base import ScoreContext, Scorer
+
+
+@dataclass
+class H2O(Scorer):
+    """Heavy hitters: attention each entry received, summed over every query so far, plus a
+    recent window holding ``recent_ratio`` of the capacity.
+
+    Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference" (2023); the
+    reference splits the budget evenly between heavy and recent tokens.
+    """
+
+    name: ClassVar[str] = "h2o"
+    state_names: ClassVar[tuple[str, ...]] = ("attn_sum",)
+    recent_ratio: float = 0.5
+
+    def protected_window(self, capacity: int) -> int:
+        return int(self.recent_ratio * capacity)
+
+    def observe(self, store, query, view, query_positions, scaling) -> None:
+        store.add_state("attn_sum", attention_received(query, view, query_positions, scaling))
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return ctx.view.state["attn_sum"]

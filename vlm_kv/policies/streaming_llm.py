@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vlm_kv.policies.base import ScoreContext, Scorer
+
+
+@dataclass
+class StreamingLLM(Scorer):
+    """Keep the first ``num_sinks`` tokens (attention sinks) and the most recent ones.
+
+    Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (2023).
+    """
+
+    name: ClassVar[str] = "streaming_llm"
+    num_sinks: int = 4
+
+    @property
+    def sinks(self) -> int:
+        return self.num_sinks
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return ctx.view.positions.float()
