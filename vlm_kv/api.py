@@ -11,7 +11,7 @@ from vlm_kv import attention
 from vlm_kv.budget import Budget, BudgetError
 from vlm_kv.cache import CacheMisuseError, CompressedCache
 from vlm_kv.models.adapters import ModelAdapter, get_adapter
-from vlm_kv.policies import FULL_POLICY, build_policy
+from vlm_kv.policies import FULL_POLICY, GATED_POLICIES, build_policy
 
 
 def _find_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
@@ -57,6 +57,10 @@ def attach(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> Model
         else:
             model.set_attn_implementation({adapter.text_config_key: impl})
         model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+        from vlm_kv.gates.hooks import inference_gate_hook
+
+        for module in adapter.attention_modules(model):
+            module.register_forward_pre_hook(inference_gate_hook, with_kwargs=True)
         model._vlm_kv_attached = True
     return adapter
 
@@ -72,6 +76,7 @@ def make_cache(
     seed: int = 0,
     scorer_kwargs: dict[str, Any] | None = None,
     allocation_kwargs: dict[str, Any] | None = None,
+    gates: "str | torch.nn.Module | None" = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -80,6 +85,8 @@ def make_cache(
     allocation: override how the budget is spread: uniform, pyramid, adaptive, global.
     evict_every: decode steps between eviction steps (one always follows each prefill).
     slack: tokens per head kept free below the budget at each step.
+    gates: for ``trimkv`` / ``dbtrimkv``: a folder saved by ``vlm-kv train-gates`` or a
+        ``RetentionGates`` module; SmolLM2-135M uses the gates shipped in the package by default.
     """
     budget = Budget.parse(budget)
     if policy == FULL_POLICY:
@@ -95,7 +102,33 @@ def make_cache(
                 f"{scorer.protected_window(budget.tokens_per_head)} recent)"
             )
     adapter = attach(model)
+    gate_module = None
+    if policy in GATED_POLICIES or gates is not None:
+        gate_module = _resolve_gates(model, gates, policy)
     return CompressedCache(
         adapter, scorer, alloc, budget, evict_every=evict_every, slack=slack, policy_name=policy,
-        model_id=id(model), seed=seed,
+        model_id=id(model), seed=seed, gates=gate_module,
     )
+
+
+def _resolve_gates(model: torch.nn.Module, gates: "str | torch.nn.Module | None", policy: str) -> torch.nn.Module:
+    from vlm_kv.gates import default_gates_for
+    from vlm_kv.gates.io import check_fits, load_gates
+    from vlm_kv.gates.retention_gate import RetentionGates
+
+    if gates is None:
+        gates = default_gates_for(model)
+        if gates is None:
+            raise ValueError(
+                f"policy {policy!r} needs retention gates for this model: pass gates=DIR "
+                "(train them with `vlm-kv train-gates`)"
+            )
+    if isinstance(gates, str):
+        module = load_gates(gates, model=model)
+    elif isinstance(gates, RetentionGates):
+        check_fits(gates.config, model)
+        module = gates
+    else:
+        raise TypeError(f"gates must be a folder or a RetentionGates module, got {type(gates).__name__}")
+    param = next(model.parameters())
+    return module.to(param.device).eval()

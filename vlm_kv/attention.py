@@ -134,6 +134,68 @@ def attention_received(
     return total
 
 
+def stash_log_beta(log_beta: torch.Tensor | None) -> None:
+    """Soft retention for training: the next attention call of this thread adds
+    ``(t - i) * log_beta[i]`` to its logits. log_beta: [B, H_kv, T_k]."""
+    _pending.log_beta = log_beta
+
+
+def soft_retention_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    log_beta: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    chunk: int = 512,
+) -> torch.Tensor:
+    """Causal attention with retention decay: logit(t, i) += (t - i) * log beta_i.
+
+    query [B, Hq, Tq, D], key/value [B, H, Tk, D], log_beta [B, H, Tk]; queries are the last Tq
+    positions. Chunked over queries, each chunk recomputed in backward, so training memory
+    grows linearly with the sequence. With log beta = 0 this is plain causal attention.
+    Returns [B, Tq, Hq, D].
+    """
+    b, hq, tq, d = query.shape
+    h, tk = key.shape[1], key.shape[2]
+    g = hq // h
+    scale = scaling if scaling is not None else d ** -0.5
+    offset = tk - tq
+    key_pos = torch.arange(tk, device=query.device)
+
+    def block(q_chunk: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lb: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        c = q_chunk.shape[2]
+        q_pos = torch.arange(c, device=q_chunk.device) + int(start) + offset
+        logits = torch.matmul(q_chunk.float().reshape(b, h, g * c, d), k.float().transpose(-1, -2)) * scale
+        logits = logits.view(b, h, g, c, tk)
+        age = (q_pos[:, None] - key_pos[None, :]).clamp(min=0).float()  # [c, Tk]
+        logits = logits + age[None, None, None] * lb.float()[:, :, None, None, :]
+        visible = key_pos[None, :] <= q_pos[:, None]
+        if mask is not None:
+            visible = visible[None, None] & mask[:, :, None]  # mask: [B, 1, c, Tk]
+        else:
+            visible = visible[None, None, None]
+        logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.matmul(probs.view(b, h, g * c, tk), v.float())
+        return out.view(b, hq, c, d).to(query.dtype)
+
+    outs = []
+    for start in range(0, tq, chunk):
+        q_chunk = query[:, :, start : start + chunk]
+        mask = None
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            mask = attention_mask[:, :1, start : start + chunk, -tk:]
+        start_t = torch.tensor(start)
+        if torch.is_grad_enabled() and (log_beta.requires_grad or query.requires_grad):
+            outs.append(torch.utils.checkpoint.checkpoint(block, q_chunk, start_t, key, value, log_beta, mask,
+                                                          use_reentrant=False))
+        else:
+            outs.append(block(q_chunk, start_t, key, value, log_beta, mask))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
 def vlm_kv_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -145,6 +207,10 @@ def vlm_kv_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     layer = _take_pending(module)
+    log_beta = getattr(_pending, "log_beta", None)
+    if layer is None and log_beta is not None:
+        _pending.log_beta = None
+        return soft_retention_attention(query, key, value, log_beta, attention_mask, scaling), None
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return layer.attend(query, scaling), None

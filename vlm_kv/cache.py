@@ -65,6 +65,8 @@ class CompressedLayer(CacheLayerMixin):
         modality, valid = self.cache.token_info(self.layer_idx, b, q, key_states.device)
         positions = torch.arange(self.seen, self.seen + q, device=key_states.device)
         self.store.append(key_states, value_states, positions, modality, valid)
+        if self.cache.gates is not None:
+            self.store.set_tail_state("log_beta", self.cache.take_log_beta(self.layer_idx, b, q))
         self.seen += q
         self.cache.on_update(self, key_states, value_states)
         hand_over(self)
@@ -142,6 +144,7 @@ class CompressedCache(Cache):
         policy_name: str = "",
         model_id: int | None = None,
         seed: int = 0,
+        gates: torch.nn.Module | None = None,
     ) -> None:
         if evict_every < 1:
             raise ValueError(f"evict_every must be >= 1, got {evict_every}")
@@ -167,7 +170,11 @@ class CompressedCache(Cache):
         self.eviction_steps = 0
         self.max_kv_bytes = 0
         self.evicted_entries = 0
-        self.layer_hooks: list = []  # observers called on every update (learned gates use this)
+        self.layer_hooks: list = []  # observers called on every update
+        self.gates = gates
+        self._log_beta: dict[int, torch.Tensor] = {}
+        if "log_beta" in scorer.state_names and gates is None:
+            raise ValueError(f"policy {policy_name!r} scores with retention gates: pass gates=")
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.num_layers)])
 
     # ------------------------------------------------------------ inputs
@@ -202,6 +209,19 @@ class CompressedCache(Cache):
         else:
             self.valid_tokens = self.valid_tokens + counts
             self.first_positions = torch.minimum(self.first_positions, first)
+
+    def stash_log_beta(self, layer_idx: int, log_beta: torch.Tensor) -> None:
+        """Gate output for the tokens about to enter ``layer_idx`` ([B, H, Q])."""
+        self._log_beta[layer_idx] = log_beta
+
+    def take_log_beta(self, layer_idx: int, batch: int, q: int) -> torch.Tensor:
+        log_beta = self._log_beta.pop(layer_idx, None)
+        if log_beta is None or log_beta.shape[0] != batch or log_beta.shape[-1] != q:
+            raise RuntimeError(
+                f"no gate output for layer {layer_idx}: the gate hook did not run (was the cache built "
+                "with vlm_kv.make_cache for this model?)"
+            )
+        return log_beta
 
     def on_update(self, layer: CompressedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
         for hook in self.layer_hooks:

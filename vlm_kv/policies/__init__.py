@@ -10,6 +10,7 @@ from vlm_kv.policies.base import ScoreContext, Scorer
 from vlm_kv.policies.h2o import H2O
 from vlm_kv.policies.knorm import KNorm
 from vlm_kv.policies.random_scorer import RandomScorer
+from vlm_kv.policies.retention import RetentionScorer
 from vlm_kv.policies.snapkv import SnapKV
 from vlm_kv.policies.streaming_llm import StreamingLLM
 from vlm_kv.policies.tova import TOVA
@@ -31,7 +32,11 @@ POLICIES: dict[str, PolicySpec] = {
     "adakv": PolicySpec(SnapKV, HeadAdaptive, "SnapKV scores, heads of a layer share its budget"),
     "knorm": PolicySpec(KNorm, Uniform, "smallest key norms"),
     "random": PolicySpec(RandomScorer, Uniform, "random entries (a floor)"),
+    "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head"),
+    "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads"),
 }
+
+GATED_POLICIES = ("trimkv", "dbtrimkv")
 
 FULL_POLICY = "full"
 
@@ -64,7 +69,7 @@ def build_policy(
 
 
 __all__ = [
-    "POLICIES", "FULL_POLICY", "PolicySpec", "build_policy", "UnknownPolicyError", "Scorer", "ScoreContext",
+    "POLICIES", "GATED_POLICIES", "FULL_POLICY", "RetentionScorer", "PolicySpec", "build_policy", "UnknownPolicyError", "Scorer", "ScoreContext",
     "H2O", "KNorm", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA",
     "Uniform", "Pyramid", "HeadAdaptive", "GlobalTopK",
 ]

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vlm_kv.gates.retention_gate import retention_scores
+from vlm_kv.policies.base import ScoreContext, Scorer
+
+
+@dataclass
+class RetentionScorer(Scorer):
+    """Learned retention: score = (t - i) * log beta_i, where a gate predicted beta_i from the
+    hidden state that produced entry i (TrimKV, Bui et al. 2025; DBTrimKV couples the gates so
+    scores compare across layers and heads, which the global allocation relies on)."""
+
+    name: ClassVar[str] = "retention"
+    state_names: ClassVar[tuple[str, ...]] = ("log_beta",)
+    num_sinks: int = 0
+
+    @property
+    def sinks(self) -> int:
+        return self.num_sinks
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return retention_scores(ctx.view.state["log_beta"], ctx.view.positions, ctx.seen)
