@@ -1,0 +1,119 @@
+"""``mmdu`` sub-command of the eval command line (registered by eval/cli.py via ``register``).
+
+    ... mmdu --model PATH --data FILE --images DIR --judge PATH --policy NAME --budget F
+             [--limit N] [--out DIR] [--max-new-tokens N] [--no-judge]
+
+Answers every dialog turn by turn on one (compressed) cache per dialog, then frees the model,
+loads the judge from its folder and judges each question; see ``vlm_kv.eval.mmdu_run``.
+Rerunning with the same --out resumes: finished dialogs are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import sys
+
+
+def parse_budget(text: str) -> float | int:
+    """"0.25" -> 0.25 (fraction of the full cache); "256" -> 256 (tokens per KV head)."""
+    t = str(text).strip()
+    try:
+        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
+
+
+def _default_out(args) -> str:
+    model = os.path.basename(os.path.normpath(args.model)) or "model"
+    return os.path.join("runs", "mmdu", f"{model}_{args.policy}_{args.budget}")
+
+
+def load_vlm(path: str, device: str | None = None):
+    """A transformers VLM and its processor from a local folder."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "auto" if str(device).startswith("cuda") else torch.float32
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
+    return model, processor
+
+
+def cmd_mmdu(args: argparse.Namespace) -> int:
+    import torch
+
+    from vlm_kv.eval.mmdu_data import load_mmdu
+    from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
+    from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
+
+    if not args.no_judge and not args.judge:
+        print("mmdu: give --judge PATH (a local chat model folder) or --no-judge", file=sys.stderr)
+        return 2
+    if not args.no_judge and not os.path.isdir(args.judge):
+        print(f"mmdu: judge folder not found: {args.judge}", file=sys.stderr)
+        return 2
+    data = load_mmdu(args.data, args.images, limit=args.limit)
+    if not data.dialogs:
+        print(f"mmdu: no dialogs loaded from {args.data}: {[p.to_dict() for p in data.problems]}", file=sys.stderr)
+        return 1
+    s = data.summary()
+    print(
+        f"MMDU: {s['n_dialogs']} dialogs, {s['n_questions']} questions "
+        f"({s['n_unrunnable_questions']} unrunnable; problems {s['problem_counts']})",
+        file=sys.stderr,
+    )
+    out = args.out or _default_out(args)
+    config = {"model": os.path.abspath(args.model), "data": os.path.abspath(args.data), "images": args.images}
+
+    # 1. answers (the VLM), 2. free it, 3. judge (both rarely fit in memory at once)
+    model, processor = load_vlm(args.model, args.device)
+    counts = generate_answers(
+        model, processor, data, out,
+        policy=args.policy, budget=args.budget, max_new_tokens=args.max_new_tokens, config=config,
+    )
+    del model, processor
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    judge_info = None
+    if not args.no_judge:
+        judge = LocalJudge(args.judge, device=args.device, max_new_tokens=args.judge_max_new_tokens)
+        judge_info = judge_name(judge)
+        counts.update(judge_answers(judge, out, dialog_ids=[d.id for d in data.dialogs]))
+    summary = summarize(out, data, judge_info=judge_info, extra={"counts": counts})
+    keys = ("judge", "scores", "n_judged", "n_parse_failures", "rouge_l", "policy", "budget", "kv_bytes", "n_skipped")
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=str))
+    print(f"results in {out}", file=sys.stderr)
+    return 0
+
+
+def register(eval_subparsers) -> argparse.ArgumentParser:
+    """Add the ``mmdu`` sub-command to an ``add_subparsers()`` object."""
+    p = eval_subparsers.add_parser(
+        "mmdu",
+        help="MMDU multi-turn multi-image dialogs on a compressed cache, judged by a local model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="local folder of a transformers VLM (and its processor)")
+    p.add_argument("--data", required=True, help="MMDU benchmark JSON (object keyed by dialog id)")
+    p.add_argument("--images", required=True, help="folder the images archive was extracted to")
+    p.add_argument("--judge", default=None, help="local folder of a transformers chat model used as judge")
+    p.add_argument("--policy", required=True, help="cache policy for vlm_kv.make_cache ('full' = no compression)")
+    p.add_argument("--budget", type=parse_budget, required=True,
+                   help="fraction of the full cache (0.25) or tokens per KV head (256); 1 = whole cache")
+    p.add_argument("--limit", type=int, default=None, help="first N dialogs only")
+    p.add_argument("--out", default=None, help="results folder (default runs/mmdu/<model>_<policy>_<budget>)")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="per answer (the MMDU authors use 2048)")
+    p.add_argument("--no-judge", action="store_true", help="answers and ROUGE-L only")
+    p.add_argument("--judge-max-new-tokens", type=int, default=1024, help="judge reply length")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    p.set_defaults(func=cmd_mmdu)
+    return p
