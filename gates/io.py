@@ -60,7 +60,8 @@ def check_fits(config: GateConfig, model) -> None:
 
     expected = get_adapter(model).fingerprint()
     trained = config.model or {}
-    if trained.get("config_hash") != expected.get("config_hash"):
+    identity = ("family", "config_hash")
+    if any(trained.get(k) != expected.get(k) for k in identity):
         def brief(fp: dict) -> str:
             return (f"{fp.get('architecture')} ({fp.get('num_layers')} layers, {fp.get('num_kv_heads')} KV heads, "
                     f"hidden {fp.get('hidden_size')}, config {fp.get('config_hash')})")

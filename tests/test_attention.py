@@ -1,0 +1,80 @@
+import torch
+import torch.nn.functional as F
+
+from vlm_kv.attention import attention_probs, soft_retention_attention, varlen_attention
+from vlm_kv.storage import VarlenKVStore
+
+
+def _filled_store(b=2, h=2, d=8, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    store = VarlenKVStore(b, h, d, torch.float32, torch.device("cpu"))
+    k = torch.randn(b, h, n, d, generator=g)
+    v = torch.randn(b, h, n, d, generator=g)
+    store.append(k, v, torch.arange(n), torch.zeros(b, n, dtype=torch.uint8), torch.ones(b, n, dtype=torch.bool))
+    return store, k, v
+
+
+def _reference(q, k, v, keep, q_pos, k_pos):
+    """SDPA over exactly the kept entries of each (batch, kv head), GQA by repetition."""
+    b, hq, nq, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    out = torch.empty(b, nq, hq, d)
+    for bi in range(b):
+        for hi in range(hq):
+            kh = hi // g
+            sel = keep[bi, kh]
+            kk, vv, pp = k[bi, kh, sel], v[bi, kh, sel], k_pos[sel]
+            mask = pp[None, :] <= q_pos[:, None]
+            out[bi, :, hi] = F.scaled_dot_product_attention(q[bi, hi][None], kk[None], vv[None], attn_mask=mask[None])[0]
+    return out
+
+
+def test_varlen_attention_equals_sdpa_over_kept_entries_with_gqa():
+    store, k, v = _filled_store()
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(2, 2, 12, generator=g) > 0.4
+    keep[..., 0] = True
+    store.compact(keep)
+    # two new tokens arrive
+    k2, v2 = torch.randn(2, 2, 2, 8, generator=g), torch.randn(2, 2, 2, 8, generator=g)
+    store.append(k2, v2, torch.arange(12, 14), torch.zeros(2, 2, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.bool))
+    q = torch.randn(2, 4, 2, 8, generator=g)  # 4 query heads over 2 KV heads
+    q_pos = torch.tensor([12, 13])
+    out = varlen_attention(q, store.padded_view(), q_pos, None)
+    all_k, all_v = torch.cat([k, k2], 2), torch.cat([v, v2], 2)
+    all_keep = torch.cat([keep, torch.ones(2, 2, 2, dtype=torch.bool)], 2)
+    ref = _reference(q, all_k, all_v, all_keep, q_pos, torch.arange(14))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_path_matches_masked_path():
+    store, k, v = _filled_store(n=9)
+    q = torch.randn(2, 4, 9, 8)
+    view = store.padded_view()
+    a = varlen_attention(q, view, torch.arange(9), 0.3, dense_causal=True)
+    b = varlen_attention(q, view, torch.arange(9), 0.3, dense_causal=False)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_probs_rows_sum_to_one_and_respect_causality():
+    store, _, _ = _filled_store(n=6)
+    q = torch.randn(2, 4, 3, 8)
+    probs = attention_probs(q, store.padded_view(), torch.tensor([3, 4, 5]), None)
+    assert probs.shape == (2, 2, 2, 3, 6)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 2, 2, 3))
+    assert float(probs[..., 0, 4:].abs().max()) == 0.0  # query at position 3 sees nothing after it
+
+
+def test_soft_retention_with_zero_log_beta_is_plain_causal_attention_and_decays_otherwise():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
+    plain = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    soft = soft_retention_attention(q, k, v, torch.zeros(1, 2, 10), None, None, chunk=3)
+    torch.testing.assert_close(soft, plain.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    # a strongly decaying first entry stops mattering for late queries
+    lb = torch.zeros(1, 2, 10)
+    lb[..., 0] = -50.0
+    decayed = soft_retention_attention(q, k, v, lb, None, None)
+    ref = F.scaled_dot_product_attention(q[:, :, -1:], k.repeat_interleave(2, 1)[:, :, 1:], v.repeat_interleave(2, 1)[:, :, 1:])
+    torch.testing.assert_close(decayed[:, -1:], ref.transpose(1, 2), atol=1e-5, rtol=1e-5)

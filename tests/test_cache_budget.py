@@ -1,0 +1,71 @@
+"""Under budget: bytes held stay within the budget after every eviction step, storage really
+shrinks, and kept entries keep their original positions."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+import vlm_kv
+from vlm_kv.models.tiny import tiny_model
+from vlm_kv.policies import POLICIES
+
+BASELINES = [p for p in POLICIES if p not in ("trimkv", "dbtrimkv")]
+
+
+def _feed(model, cache, tokens, prefill):
+    with torch.no_grad():
+        model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True)
+        for i in range(prefill, tokens.shape[1]):
+            model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("policy", BASELINES)
+def test_bytes_stay_within_budget_over_300_decode_steps(policy):
+    model = tiny_model("llama")
+    tokens = torch.randint(5, model.config.vocab_size, (2, 64 + 300), generator=torch.Generator().manual_seed(0))
+    small_window = {"window": 8} if policy in ("snapkv", "pyramidkv", "adakv") else None
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, evict_every=8, scorer_kwargs=small_window)
+    after_steps = []
+    evict = cache.evict
+
+    def checked_evict():
+        evict()
+        after_steps.append((cache.kv_bytes()["total"], cache.budget_bytes(), cache.full_kv_bytes()))
+
+    cache.evict = checked_evict
+    _feed(model, cache, tokens, 64)
+    assert len(after_steps) == 1 + 300 // 8
+    for held, allowed, full in after_steps:
+        assert held <= allowed <= full // 4 + 1
+    # allocated storage, not a mask: the tensors themselves are small
+    stored = sum(layer.store.body_keys.numel() + layer.store.tail_keys.numel() for layer in cache.layers)
+    assert stored * 2 * 4 == cache.kv_bytes()["total"]
+    assert cache.kv_bytes()["total"] < 0.3 * cache.full_kv_bytes()
+    assert cache.get_seq_length() == 364
+
+
+def test_kept_entries_keep_their_original_positions():
+    model = tiny_model("llama")
+    tokens = torch.randint(5, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
+    full = DynamicCache(config=model.config)
+    _feed(model, full, tokens, 48)
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, evict_every=8, scorer_kwargs={"window": 8})
+    _feed(model, cache, tokens, 48)
+    # layer 0 keys depend only on token and position, so every kept key must equal the
+    # full cache's key at the entry's recorded position (RoPE applied at that position)
+    store = cache.layers[0].store
+    view = store.padded_view()
+    ref = full.layers[0].keys  # [B, H, T, D]
+    for h in range(store.num_kv_heads):
+        pos = view.positions[0, h][view.valid[0, h]]
+        assert len(pos) < 96
+        torch.testing.assert_close(view.keys[0, h][view.valid[0, h]], ref[0, h, pos], atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == full.get_seq_length() == 96
+
+
+def test_slack_keeps_room_below_the_budget():
+    model = tiny_model("llama")
+    tokens = torch.randint(5, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(2))
+    cache = vlm_kv.make_cache(model, policy="streaming_llm", budget=0.5, evict_every=4, slack=4)
+    _feed(model, cache, tokens, 100)
+    # right after the last eviction step each head held cap - slack; 4 more tokens since then at most
+    assert cache.stats()["head_length"]["max"] <= cache.budget.capacity(120)

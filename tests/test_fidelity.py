@@ -1,0 +1,55 @@
+"""Quality on the real SmolLM2-135M-Instruct: the one model whose numbers mean something."""
+import json
+
+import pytest
+
+from vlm_kv.cli import main
+from vlm_kv.fidelity import fidelity
+
+
+@pytest.fixture(scope="module")
+def short_runs(smollm2, shared_data):
+    model, tok = smollm2
+    runs = [("snapkv", 1.0), ("snapkv", 0.25), ("random", 0.25), ("streaming_llm", 0.25)]
+    results = fidelity(model, tok, str(shared_data / "text" / "pg84.txt"), context=384, continuation=24,
+                       runs=runs, offset=100000, scorer_kwargs=None)
+    return {(r.policy, r.budget): r for r in results}
+
+
+def test_full_budget_reproduces_the_full_cache(short_runs):
+    r = short_runs[("snapkv", 1.0)]
+    assert r.kl < 1e-6 and r.top1 == 1.0
+    assert abs(r.nll - r.full_nll) < 1e-4
+
+
+def test_compression_holds_its_budget_and_attention_beats_random(short_runs):
+    snap, rand, stream = short_runs[("snapkv", 0.25)], short_runs[("random", 0.25)], short_runs[("streaming_llm", 0.25)]
+    for r in (snap, rand, stream):
+        assert r.max_kv_bytes <= 0.25 * r.full_kv_bytes
+        assert r.kv_bytes < 0.35 * r.full_kv_bytes
+        assert r.kl > 0
+    assert snap.kl < rand.kl
+    assert snap.top1 >= rand.top1
+
+
+def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeypatch):
+    import vlm_kv.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda name: smollm2)
+    code = main(["fidelity", "--model", "smollm2", "--text", str(shared_data / "text" / "pg84.txt"),
+                 "--offset", "5000", "--context", "128", "--continuation", "8", "--policy", "tova",
+                 "--budget", "0.5", "--json"])
+    assert code == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    row = json.loads(line)
+    assert set(row) == {"policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes",
+                        "full_kv_bytes", "max_kv_bytes"}
+    assert row["policy"] == "tova" and row["context"] == 128 and row["continuation"] == 8
+    assert 0 <= row["top1"] <= 1 and row["max_kv_bytes"] <= 0.5 * row["full_kv_bytes"]
+
+
+def test_fidelity_cli_reports_bad_budget(shared_data, capsys):
+    code = main(["fidelity", "--model", "smollm2", "--text", str(shared_data / "text" / "pg84.txt"),
+                 "--context", "64", "--continuation", "4", "--policy", "snapkv", "--budget", "1.7"])
+    assert code == 2
+    assert "budget" in capsys.readouterr().err
