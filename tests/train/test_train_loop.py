@@ -1,0 +1,140 @@
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from vlm_kv import make_cache
+from vlm_kv.gates.io import load_gates
+from vlm_kv.models.tiny import tiny_model, tiny_processor
+from vlm_kv.train.loop import TrainConfig, latest_checkpoint, train_gates
+
+
+def _write_conversations(tmp_path, n=3):
+    records = []
+    for i in range(n):
+        img = Image.new("RGB", (24 + 8 * i, 24), (20 * i, 120, 200 - 30 * i))
+        ImageDraw.Draw(img).rectangle([4, 4, 12 + i, 14], fill=(255, 255 - 40 * i, 0))
+        img.save(tmp_path / f"img{i}.png")
+        if i % 2 == 0:  # LLaVA style
+            records.append({"image": f"img{i}.png", "conversations": [
+                {"from": "human", "value": f"<image>\nWhat colour is box {i}?"},
+                {"from": "gpt", "value": f"The box {i} is yellow and sits on blue ground."}]})
+        else:  # messages style
+            records.append({"messages": [
+                {"role": "user", "content": [{"type": "image", "image": f"img{i}.png"},
+                                             {"type": "text", "text": "Describe the picture."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A small box of colour."}]}]})
+    path = tmp_path / "conv.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def _cfg(model, proc, data, out, **kw):
+    base = dict(model=model, processor=proc, data=[data], out=str(out), budget_tokens=8, global_budget=True,
+                max_length=64, steps=4, lr=3e-2, warmup=0, width=16, init_bias=4.0, progress=False,
+                save_every=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_train_save_load_generate_with_images(tmp_path, family):
+    torch.manual_seed(0)
+    model, proc = tiny_model(family), tiny_processor(family)
+    data = _write_conversations(tmp_path)
+    out = tmp_path / "gates"
+    # a fixed batch: one conversation, repeated every step
+    single = tmp_path / "one.jsonl"
+    single.write_text(open(data).readline())
+    res = train_gates(_cfg(model, proc, str(single), out, steps=6))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == list(range(1, 7))
+    losses = [ln["loss"] for ln in lines]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+    assert lines[-1]["live"] < lines[0]["live"]
+    assert res["step"] == 6 and all(not p.requires_grad for p in model.parameters())
+
+    gates = load_gates(str(out), model=model)
+    assert gates.config.training["budget_tokens"] == 8 and gates.config.training["global"] is True
+    assert gates.config.training["data"] == [str(single)] and gates.config.training["max_length"] == 64
+    for a, b in zip(gates.state_dict().values(), res["gates"].state_dict().values()):
+        torch.testing.assert_close(a, b.cpu())
+
+    img = Image.open(tmp_path / "img0.png")
+    messages = [{"role": "user", "content": [{"type": "image", "image": img},
+                                             {"type": "text", "text": "What is in the image?"}]}]
+    inputs = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=True, return_tensors="pt")
+    cache = make_cache(model, "dbtrimkv", budget=0.5, gates=str(out))
+    gen = model.generate(**inputs, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] == inputs["input_ids"].shape[1] + 5
+    # eviction really happened: the cache holds fewer entries than a full cache would
+    full_entries = cache.get_seq_length() * 2 * 2  # seen tokens x 2 layers x 2 KV heads (batch 1)
+    assert cache.eviction_steps >= 1 and 0 < cache.num_entries() < full_entries
+
+
+def test_resume_reproduces_next_step(tmp_path):
+    model, proc = tiny_model("qwen2_5_vl"), tiny_processor("qwen2_5_vl")
+    data = _write_conversations(tmp_path)
+    straight = train_gates(_cfg(model, proc, data, tmp_path / "a", steps=3, batch_size=2, grad_accum=2))
+    train_gates(_cfg(model, proc, data, tmp_path / "b", steps=3, batch_size=2, grad_accum=2, stop_at=2))
+    assert latest_checkpoint(str(tmp_path / "b")).endswith("step-0000002.pt")
+    resumed = train_gates(_cfg(model, proc, data, tmp_path / "b", steps=3, batch_size=2, grad_accum=2, resume=True))
+    for (k, a), b in zip(straight["gates"].state_dict().items(), resumed["gates"].state_dict().values()):
+        assert torch.equal(a, b), k
+    sa = torch.load(latest_checkpoint(str(tmp_path / "a")), weights_only=False)
+    sb = torch.load(latest_checkpoint(str(tmp_path / "b")), weights_only=False)
+    assert sa["step"] == sb["step"] == 3 and sa["data"] == sb["data"]
+    assert sa["scheduler"] == sb["scheduler"]
+    for pid, st in sa["optimizer"]["state"].items():
+        for key, val in st.items():
+            assert torch.equal(val, sb["optimizer"]["state"][pid][key]), (pid, key)
+    la = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    lb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    strip = lambda s: {k: v for k, v in json.loads(s).items() if k != "sec"}  # noqa: E731
+    assert [strip(x) for x in la] == [strip(x) for x in lb]
+
+
+def test_cli_text_file_tiny_llama(tmp_path):
+    from vlm_kv.cli import build_parser
+
+    folder = tmp_path / "llama"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_processor("llama").save_pretrained(folder)
+    text = tmp_path / "book.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good "
+                    "fortune, must be in want of a wife. " * 6)
+    out = tmp_path / "gates"
+    args = build_parser().parse_args([
+        "train-gates", "--model", str(folder), "--data", str(text), "--budget-tokens", "16",
+        "--max-length", "96", "--steps", "2", "--out", str(out), "--kind", "trimkv", "--width", "8",
+        "--no-progress", "--save-every", "1"])
+    assert args.func(args) == 0
+    gates = load_gates(str(out))
+    assert gates.config.kind == "trimkv" and gates.config.training["global"] is False
+    assert gates.config.training["steps"] == 2 and gates.config.num_layers == 2
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_truncation_drops_cut_images(tmp_path, family):
+    from vlm_kv.models.adapters import get_adapter
+    from vlm_kv.train.data import TrainingData
+
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(tmp_path / "a.png")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"image": ["a.png", "a.png"], "conversations": [
+        {"from": "human", "value": "Hi <image> and <image> ok"}, {"from": "gpt", "value": "yes"}]}) + "\n")
+    model, proc = tiny_model(family), tiny_processor(family)
+    image_id = get_adapter(model).image_token_id
+    seen = set()
+    for t in (5, 12, 30, 34, 50, 400):
+        sample = TrainingData([str(tmp_path / "c.jsonl")], proc, t, image_token_id=image_id).sample(0)
+        assert sample["input_ids"].shape[1] <= t
+        seen.add(int((sample["input_ids"] == image_id).sum()) // 16)  # 16 tokens per tiny image
+        sample.pop("labels")
+        with torch.no_grad():
+            assert torch.isfinite(model(**sample).logits).all()
+    assert seen == {0, 1, 2}

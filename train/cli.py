@@ -1,0 +1,77 @@
+"""``vlm-kv train-gates``: train retention gates for a frozen model.
+
+    vlm-kv train-gates --model smollm2 --data book.txt --budget-tokens 128 --global \\
+        --max-length 512 --steps 200 --out gates/smollm2-g128
+    accelerate launch -m vlm_kv.train.cli train-gates ...        # several GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vlm_kv.train.loop import TrainConfig, train_gates
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 or a local model folder")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="text files, {'text'} JSONL, or conversation JSONL (LLaVA or messages style)")
+    p.add_argument("--budget-tokens", type=int, required=True, help="M: cache budget in tokens per KV head")
+    p.add_argument("--global", dest="global_budget", action="store_true",
+                   help="global capacity loss over all layers and heads (DBTrimKV); default per head")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per training sequence")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--out", required=True, help="output folder (gates, checkpoints, metrics.jsonl)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (reference 2e-4 for long GPU runs)")
+    p.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default min(100, steps/10))")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", choices=("dbtrimkv", "trimkv"), default="dbtrimkv")
+    p.add_argument("--uncoupled", action="store_true", help="per-layer output projections (coupling ablation)")
+    p.add_argument("--width", type=int, default=64, help="gate MLP width")
+    p.add_argument("--init-bias", type=float, default=18.0, help="initial output bias (beta ~ 1: keep all)")
+    p.add_argument("--lambda-cap", type=float, default=1.0)
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (checkpointed); resume later")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=args.model, data=args.data, budget_tokens=args.budget_tokens, global_budget=args.global_budget,
+        max_length=args.max_length, steps=args.steps, out=args.out, resume=args.resume, lr=args.lr,
+        min_lr=args.min_lr, warmup=args.warmup, grad_accum=args.grad_accum, batch_size=args.batch_size,
+        save_every=args.save_every, seed=args.seed, kind=args.kind, coupled=not args.uncoupled,
+        width=args.width, init_bias=args.init_bias, lambda_cap=args.lambda_cap, stop_at=args.stop_at,
+        progress=not args.no_progress,
+    )
+
+
+def cmd_train_gates(args: argparse.Namespace) -> int:
+    result = train_gates(config_from_args(args))
+    summary = {k: v for k, v in result.items() if k != "gates"}
+    summary["metrics"] = {k: v for k, v in (summary.get("metrics") or {}).items() if k != "live_per_head"}
+    print(json.dumps(summary))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train-gates", help="train retention gates (TrimKV / DBTrimKV) for a frozen model")
+    add_arguments(p)
+    p.set_defaults(func=cmd_train_gates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlm_kv.train.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

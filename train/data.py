@@ -1,0 +1,293 @@
+"""Training sequences for gate training.
+
+Sources (any mix, one ``--data`` file each):
+
+* plain text files: the whole file is one document;
+* JSONL with ``{"text": ...}``: one document per line;
+* VLM conversation JSONL, LLaVA style
+  ``{"conversations": [{"from": "human"|"gpt", "value": "...<image>..."}], "image": path | [paths]}``
+  or messages style ``{"messages": [{"role": ..., "content": str | [{"type": "image", "image": path},
+  {"type": "text", "text": ...}]}]}``; image paths are relative to the JSONL file's folder.
+
+Text documents are tokenized, joined with EOS and packed into ``max_length`` chunks (a tail
+shorter than half a chunk is dropped unless it is the only one). Each conversation is one
+sample, rendered through the model's processor (``apply_chat_template`` with PIL images) and
+truncated to ``max_length`` (an image whose placeholder tokens would be cut is dropped with
+everything after it).
+
+Order: sample ``k`` of the stream is ``perm(epoch)[k % n]`` with ``epoch = k // n`` and
+``perm(e)`` a permutation drawn from ``seed + e``. The data position is the single integer
+``k`` (``position``), so saving and restoring it resumes the stream exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class _Conversation:
+    messages: list  # messages-style, image items hold paths (loaded lazily)
+
+
+def _llava_to_messages(record: dict) -> list:
+    images = record.get("image", record.get("images")) or []
+    if isinstance(images, str):
+        images = [images]
+    images = list(images)
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+    messages = []
+    for turn in record["conversations"]:
+        role = roles.get(turn.get("from", "human"), "user")
+        parts = turn.get("value", "").split("<image>")
+        content: list[dict] = []
+        for j, part in enumerate(parts):
+            if j > 0:
+                if not images:
+                    raise ValueError("conversation has more <image> tags than images")
+                content.append({"type": "image", "image": images.pop(0)})
+            part = part.strip("\n") if j > 0 or len(parts) > 1 else part
+            if part:
+                content.append({"type": "text", "text": part})
+        messages.append({"role": role, "content": content})
+    if images:  # images without a tag: put them in front of the first user turn
+        first = next((m for m in messages if m["role"] == "user"), messages[0])
+        first["content"] = [{"type": "image", "image": p} for p in images] + first["content"]
+    return messages
+
+
+def _read_source(path: str) -> tuple[list[str], list[_Conversation]]:
+    texts: list[str] = []
+    convs: list[_Conversation] = []
+    if not path.endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            texts.append(fh.read())
+        return texts, convs
+    base = os.path.dirname(os.path.abspath(path))
+
+    def resolve(p: str) -> str:
+        return p if os.path.isabs(p) else os.path.join(base, p)
+
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            if "text" in rec and "conversations" not in rec and "messages" not in rec:
+                texts.append(rec["text"])
+                continue
+            if "conversations" in rec:
+                messages = _llava_to_messages(rec)
+            elif "messages" in rec:
+                messages = [dict(m) for m in rec["messages"]]
+            else:
+                raise ValueError(f"{path}:{n}: expected a 'text', 'conversations' or 'messages' field")
+            for m in messages:
+                if isinstance(m.get("content"), list):
+                    m["content"] = [
+                        dict(c, image=resolve(c["image"])) if c.get("type") == "image" and isinstance(c.get("image"), str)
+                        else c
+                        for c in m["content"]
+                    ]
+            convs.append(_Conversation(messages))
+    return texts, convs
+
+
+class TrainingData:
+    """A deterministic, resumable stream of training samples (dicts of [1, T] tensors)."""
+
+    def __init__(self, files: list[str], processor: Any, max_length: int, seed: int = 0,
+                 image_token_id: int | None = None, video_token_id: int | None = None) -> None:
+        if max_length < 2:
+            raise ValueError("max_length must be >= 2")
+        self.files = list(files)
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.max_length = max_length
+        self.seed = seed
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        texts: list[str] = []
+        self.conversations: list[_Conversation] = []
+        for f in self.files:
+            t, c = _read_source(f)
+            texts += t
+            self.conversations += c
+        self.chunks = self._pack(texts)
+        self.samples: list[tuple[str, int]] = [("text", i) for i in range(len(self.chunks))]
+        self.samples += [("conv", i) for i in range(len(self.conversations))]
+        if not self.samples:
+            raise ValueError(f"no training samples in {self.files}")
+        self.position = 0
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    # ---------------------------------------------------------------- text
+
+    def _pack(self, texts: list[str]) -> list[torch.Tensor]:
+        if not texts:
+            return []
+        eos = self.tokenizer.eos_token_id
+        ids: list[int] = []
+        for text in texts:
+            ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if eos is not None:
+                ids.append(eos)
+        stream = torch.tensor(ids, dtype=torch.long)
+        t = self.max_length
+        chunks = [stream[i : i + t] for i in range(0, len(stream), t)]
+        if len(chunks) > 1 and len(chunks[-1]) < t // 2:
+            chunks.pop()
+        return [c for c in chunks if len(c) >= 2]
+
+    # ---------------------------------------------------------------- conversations
+
+    def _render(self, conv: _Conversation) -> dict:
+        from PIL import Image
+
+        messages = []
+        for m in conv.messages:
+            content = m["content"]
+            if isinstance(content, list):
+                content = [
+                    dict(c, image=Image.open(c["image"]).convert("RGB")) if c.get("type") == "image" and isinstance(c.get("image"), str)
+                    else c
+                    for c in content
+                ]
+            messages.append({"role": m["role"], "content": content})
+        out = self.processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                                 add_generation_prompt=False)
+        out = {k: v for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
+        return self._truncate(out)
+
+    def _truncate(self, enc: dict) -> dict:
+        ids = enc["input_ids"]
+        t = self.max_length
+        if ids.shape[1] <= t:
+            return enc
+        placeholder = {x for x in (self.image_token_id, self.video_token_id) if x is not None}
+        row = ids[0].tolist()
+        # keep the images whose placeholder run ends inside [0, t); cut before one that straddles t
+        keep_images, cut, dropped_at = 0, t, None
+        for i, j in _runs(row, placeholder):
+            if j <= t:
+                keep_images += 1
+                continue
+            cut, dropped_at = min(i, t), i
+            break
+        if dropped_at == cut:  # drop a dangling opener (e.g. <|vision_start|>) before the dropped image
+            specials = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+            while cut > 1 and row[cut - 1] in specials:
+                cut -= 1
+        out = {}
+        for k, v in enc.items():
+            if k in SEQ_KEYS:
+                out[k] = v[:, :cut]
+        n_images = sum(1 for _ in _runs(row, placeholder))
+        if keep_images < n_images:
+            if "image_grid_thw" in enc:
+                grid = enc["image_grid_thw"][:keep_images]
+                out["image_grid_thw"] = grid
+                out["pixel_values"] = enc["pixel_values"][: int(grid.prod(-1).sum())]
+            elif "pixel_values" in enc:
+                out["pixel_values"] = enc["pixel_values"][:keep_images]
+                if "image_sizes" in enc:
+                    out["image_sizes"] = enc["image_sizes"][:keep_images]
+            if keep_images == 0:
+                for k in ("pixel_values", "image_grid_thw", "image_sizes"):
+                    out.pop(k, None)
+        else:
+            for k, v in enc.items():
+                out.setdefault(k, v)
+        return out
+
+    # ---------------------------------------------------------------- stream
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(len(self.samples), generator=g).tolist()
+            self._perm_epoch = epoch
+        return self._perm
+
+    def sample(self, k: int) -> dict:
+        """Sample number ``k`` of the stream: input_ids, attention_mask, labels, plus vision inputs."""
+        n = len(self.samples)
+        kind, idx = self.samples[self._order(k // n)[k % n]]
+        if kind == "text":
+            ids = self.chunks[idx][None]
+            enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        else:
+            enc = self._render(self.conversations[idx])
+            enc.setdefault("attention_mask", torch.ones_like(enc["input_ids"]))
+        enc["labels"] = self._labels(enc["input_ids"])
+        return enc
+
+    def _labels(self, ids: torch.Tensor) -> torch.Tensor:
+        """Next-token targets aligned with the inputs: labels[:, t] = ids[:, t+1]; the last
+        position and image/video placeholder targets are ignored."""
+        labels = torch.full_like(ids, IGNORE)
+        labels[:, :-1] = ids[:, 1:]
+        for x in (self.image_token_id, self.video_token_id):
+            if x is not None:
+                labels[labels == x] = IGNORE
+        return labels
+
+    def next_batch(self, batch_size: int, rank: int = 0, world: int = 1) -> dict:
+        """The next ``batch_size`` samples for process ``rank`` of ``world``; advances the
+        position by ``batch_size * world`` (every process keeps the same position)."""
+        base = self.position
+        picks = [self.sample(base + j * world + rank) for j in range(batch_size)]
+        self.position = base + batch_size * world
+        return collate(picks, pad_id=self.tokenizer.pad_token_id or 0)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "num_samples": len(self.samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_samples") not in (None, len(self.samples)) or state.get("seed", self.seed) != self.seed:
+            raise ValueError("checkpoint data position was saved for other data (sample count or seed differ)")
+        self.position = int(state["position"])
+
+
+def _runs(row: list[int], ids: set):
+    i = 0
+    while i < len(row):
+        if row[i] in ids:
+            j = i
+            while j < len(row) and row[j] == row[i]:
+                j += 1
+            yield i, j
+            i = j
+        else:
+            i += 1
+
+
+SEQ_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+def collate(samples: list[dict], pad_id: int = 0) -> dict:
+    """Right-pad the sequence tensors and concatenate the vision tensors along dim 0."""
+    if len(samples) == 1:
+        return samples[0]
+    t = max(s["input_ids"].shape[1] for s in samples)
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE}
+    out: dict = {}
+    for k in samples[0]:
+        vals = [s[k] for s in samples if k in s]
+        if k in SEQ_KEYS:
+            out[k] = torch.cat([torch.nn.functional.pad(v, (0, t - v.shape[1]), value=fill.get(k, 0)) for v in vals])
+        else:
+            out[k] = torch.cat(vals)
+    return out
