@@ -7,7 +7,7 @@ at -inf) and the per-head capacity ``cap[b]``; it returns keep masks holding at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -38,7 +38,8 @@ class Allocation:
     def keep_layer(self, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep_all(self, scores: list[torch.Tensor], cap: torch.Tensor) -> list[torch.Tensor]:
+    def keep_all(self, scores: list[torch.Tensor], cap: torch.Tensor,
+                 modality: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         raise NotImplementedError
 
 
@@ -97,27 +98,56 @@ class HeadAdaptive(Allocation):
 
 @dataclass
 class GlobalTopK(Allocation):
-    """One top-k over every layer and head of a sequence: L * H * C entries in all
-    (optionally at least ``min_per_head`` per head). Needs scores comparable across layers,
-    which weight-coupled retention gates provide."""
+    """One top-k over every layer and head of a sequence: L * H * C entries in all.
+
+    Needs scores comparable across layers, which weight-coupled retention gates provide.
+    Options: ``min_per_head`` entries every head keeps; ``modality_floor`` / ``modality_cap``
+    map a modality ("text", "image", "video") to the least / most share of the kept entries
+    it gets (a floor only binds while that modality has entries left to keep).
+    """
 
     name: ClassVar[str] = "global"
     is_global: ClassVar[bool] = True
     min_per_head: int = 0
+    modality_floor: dict[str, float] = field(default_factory=dict)
+    modality_cap: dict[str, float] = field(default_factory=dict)
 
-    def keep_all(self, scores: list[torch.Tensor], cap: torch.Tensor) -> list[torch.Tensor]:
+    def keep_all(self, scores: list[torch.Tensor], cap: torch.Tensor,
+                 modality: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        from vlm_kv.models.adapters import MODALITIES
+
         b = scores[0].shape[0]
         heads = sum(s.shape[1] for s in scores)
         shapes = [s.shape for s in scores]
-        bases = [top_k_mask(s, torch.full((b, 1), self.min_per_head, dtype=torch.long, device=s.device))
-                 if self.min_per_head > 0 else torch.zeros_like(s, dtype=torch.bool) for s in scores]
-        flat = torch.cat([s.masked_fill(m, float("-inf")).reshape(b, -1) for s, m in zip(scores, bases)], dim=1)
-        taken = sum(m.reshape(b, -1).sum(dim=1) for m in bases)
-        extra = top_k_mask(flat, (cap * heads - taken).clamp(min=0).view(-1))
+        total = cap * heads  # [B] entries kept per sequence
+        flat = torch.cat([s.reshape(b, -1) for s in scores], dim=1)
+        taken = torch.zeros_like(flat, dtype=torch.bool)
+        if self.min_per_head > 0:
+            per_head = torch.full((b, 1), self.min_per_head, dtype=torch.long, device=flat.device)
+            taken = torch.cat([top_k_mask(s, per_head).reshape(b, -1) for s in scores], dim=1)
+        if self.modality_floor or self.modality_cap:
+            if modality is None:
+                raise ValueError("modality floors/caps need the entries' modality")
+            mods = torch.cat([m.reshape(b, -1) for m in modality], dim=1)
+            for name, share in self.modality_cap.items():
+                code = MODALITIES.index(name)
+                limit = torch.floor(total.double() * share).long()
+                inside = mods == code
+                allowed = top_k_mask(flat.masked_fill(~inside, float("-inf")), limit)
+                flat = flat.masked_fill(inside & ~allowed, float("-inf"))
+                taken &= ~(inside & ~allowed)
+            for name, share in self.modality_floor.items():
+                code = MODALITIES.index(name)
+                need = torch.floor(total.double() * share).long() - (taken & (mods == code)).sum(1)
+                pool = flat.masked_fill((mods != code) | taken, float("-inf"))
+                taken |= top_k_mask(pool, need.clamp(min=0))
+        rest = flat.masked_fill(taken, float("-inf"))
+        extra = top_k_mask(rest, (total - taken.sum(1)).clamp(min=0))
+        keep = taken | extra
         out, start = [], 0
-        for shape, base in zip(shapes, bases):
+        for shape in shapes:
             n = shape[1] * shape[2]
-            out.append(base | extra[:, start : start + n].reshape(shape))
+            out.append(keep[:, start : start + n].reshape(shape))
             start += n
         return out
 

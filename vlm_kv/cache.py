@@ -279,11 +279,12 @@ class CompressedCache(Cache):
         before = self.num_entries()
         window = self.scorer.protected_window(int(caps.max())) if caps.numel() else 0
         if self.allocation.is_global:
-            scores = []
+            scores, modality = [], []
             for layer in self.layers:
                 view = layer.store.padded_view(with_values=False, states=states)
                 scores.append(self._scores(layer, view, caps, caps))
-            keeps = self.allocation.keep_all(scores, caps)
+                modality.append(view.modality)
+            keeps = self.allocation.keep_all(scores, caps, modality)
             for layer, keep in zip(self.layers, keeps):
                 layer.store.compact(keep)
         else:
