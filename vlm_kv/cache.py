@@ -320,39 +320,30 @@ class CompressedCache(Cache):
                 total += s.batch_size * s.num_kv_heads * layer.seen * s.bytes_per_entry
         return total
 
+    def _modality_totals(self, weight_by_bytes: bool) -> dict[str, int]:
+        totals = torch.zeros(len(MODALITIES), dtype=torch.long)
+        for layer in self.layers:
+            if layer.store is not None:
+                counts = layer.store.modality_counts().cpu()
+                totals += counts * (layer.store.bytes_per_entry if weight_by_bytes else 1)
+        return {name: int(v) for name, v in zip(MODALITIES, totals.tolist())}
+
     def kv_bytes(self) -> dict[str, Any]:
         """Bytes actually allocated: total, per layer, per modality, per tier; metadata apart."""
-        per_layer, meta = [], 0
-        by_modality = torch.zeros(len(MODALITIES), dtype=torch.long)
-        for layer in self.layers:
-            s = layer.store
-            if s is None:
-                per_layer.append(0)
-                continue
-            per_layer.append(s.kv_bytes())
-            meta += s.meta_bytes()
-            by_modality += s.modality_counts().cpu() * s.bytes_per_entry
+        per_layer = [layer.store.kv_bytes() if layer.store is not None else 0 for layer in self.layers]
         total = sum(per_layer)
         return {
             "total": total,
             "per_layer": per_layer,
-            "per_modality": {name: int(v) for name, v in zip(MODALITIES, by_modality.tolist())},
+            "per_modality": self._modality_totals(weight_by_bytes=True),
             "per_tier": {"fp": total, "int2": 0},
-            "metadata": meta,
+            "metadata": sum(layer.store.meta_bytes() for layer in self.layers if layer.store is not None),
         }
 
     def stats(self) -> dict[str, Any]:
         """Entry counts: total, per layer, per modality, per-head length spread, eviction steps."""
-        per_layer, lengths = [], []
-        by_modality = torch.zeros(len(MODALITIES), dtype=torch.long)
-        for layer in self.layers:
-            s = layer.store
-            if s is None:
-                per_layer.append(0)
-                continue
-            per_layer.append(s.num_entries())
-            lengths.append(s.head_lengths().flatten().cpu())
-            by_modality += s.modality_counts().cpu()
+        per_layer = [layer.store.num_entries() if layer.store is not None else 0 for layer in self.layers]
+        lengths = [layer.store.head_lengths().flatten().cpu() for layer in self.layers if layer.store is not None]
         heads = torch.cat(lengths).float() if lengths else torch.zeros(1)
         return {
             "policy": self.policy_name,
@@ -360,7 +351,7 @@ class CompressedCache(Cache):
             "seen_tokens": self.get_seq_length(),
             "entries": sum(per_layer),
             "per_layer": per_layer,
-            "per_modality": {name: int(v) for name, v in zip(MODALITIES, by_modality.tolist())},
+            "per_modality": self._modality_totals(weight_by_bytes=False),
             "head_length": {"min": int(heads.min()), "mean": float(heads.mean()), "max": int(heads.max())},
             "eviction_steps": self.eviction_steps,
             "evicted_entries": self.evicted_entries,

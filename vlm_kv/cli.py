@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="snapkv")
     p.add_argument("--budget", default="0.25")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("fidelity", help="KL / top-1 / NLL of a compressed cache vs the full cache on real text")
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True)
     p.add_argument("--budget", required=True, help="fraction of the full cache in (0, 1], or an int: tokens per KV head")
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
+    p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=cmd_fidelity)
 
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policies", help="list the eviction policies")
     p.set_defaults(func=cmd_policies)
 
-    for module in ("vlm_kv.eval.cli", "vlm_kv.train.cli"):
+    for module in ("vlm_kv.eval.cli", "vlm_kv.eval.sweep_cli", "vlm_kv.train.cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:

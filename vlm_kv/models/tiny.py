@@ -23,6 +23,8 @@ import itertools
 
 import torch
 
+from vlm_kv.models.adapters import SUPPORTED_FAMILIES
+
 __all__ = [
     "TINY_FAMILIES",
     "TINY_VOCAB_SIZE",
@@ -34,17 +36,8 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-TINY_FAMILIES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "llava",
-    "llava_next",
-    "llava_onevision",
-)
+# one tiny model per supported family
+TINY_FAMILIES = SUPPORTED_FAMILIES
 _TEXT_FAMILIES = ("llama", "qwen2", "qwen3")
 _QWEN_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")

@@ -1,0 +1,352 @@
+"""Optional lmms-eval integration: a Qwen2.5-VL / LLaVA model generating on a vlm-kv cache.
+
+lmms-eval (``pip install lmms-eval``) is not a dependency; it is imported only when the model
+class is asked for. The cache settings are model arguments, as lmms-eval passes them::
+
+    python -m vlm_kv.eval.lmms_eval_model --model vlm_kv \\
+        --model_args pretrained=/models/Qwen2.5-VL-7B-Instruct,policy=snapkv,budget=0.1 \\
+        --tasks mme --batch_size 1 --output_path logs/
+
+(this module registers the class under the name ``vlm_kv`` with lmms-eval's registry, then
+runs lmms-eval's own command line), or from Python::
+
+    from vlm_kv.eval.lmms_eval_model import lmms_class
+    VLMKV = lmms_class()   # registered as "vlm_kv"
+    lm = VLMKV(pretrained="/models/Qwen2.5-VL-7B-Instruct", policy="snapkv", budget=0.1)
+    lmms_eval.evaluator.simple_evaluate(model=lm, tasks=["mme"], batch_size=1)
+
+Model arguments: ``pretrained`` (local folder, required), ``policy`` (default ``snapkv``;
+``full`` = no compression), ``budget`` (fraction 0.1 or tokens per KV head 256; default 0.25),
+``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates`` (passed to
+``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
+``max_new_tokens`` (default when a task sets none). It is a "simple" (legacy) lmms-eval model:
+requests carry the prompt text and ``doc_to_visual``; images go before the text in one user
+turn. One request at a time, each on a fresh cache. ``loglikelihood`` and multi-round generation
+are not implemented (they raise ``NotImplementedError``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import warnings
+from typing import Any, Mapping
+
+__all__ = [
+    "MODEL_NAME",
+    "INSTALL_HINT",
+    "parse_model_args",
+    "split_model_args",
+    "VLMKVGenerator",
+    "lmms_class",
+    "main",
+]
+
+MODEL_NAME = "vlm_kv"
+INSTALL_HINT = "pip install lmms-eval"
+
+_CACHE_ARGS = ("policy", "budget", "evict_every", "allocation", "slack", "seed", "gates")
+_LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens")
+# passed by lmms-eval's harness on its own; accepted and ignored (one request at a time)
+_HARNESS_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_cache")
+DEFAULTS = {"policy": "snapkv", "budget": 0.25, "device": None, "dtype": "auto", "max_new_tokens": 1024}
+
+
+def _budget(value) -> float | int:
+    if isinstance(value, bool):
+        raise ValueError(f"budget must be a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return value
+    t = str(value).strip()
+    try:
+        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
+    except ValueError:
+        raise ValueError(f"budget must be a number, got {value!r}") from None
+
+
+def _int(name: str):
+    def conv(value) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        if f != int(f):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return int(f)
+
+    return conv
+
+
+_CONVERT = {
+    "budget": _budget,
+    "evict_every": _int("evict_every"),
+    "slack": _int("slack"),
+    "seed": _int("seed"),
+    "max_new_tokens": _int("max_new_tokens"),
+}
+
+
+def parse_model_args(text: str) -> dict[str, str]:
+    """``"pretrained=PATH,policy=snapkv,budget=0.1"`` -> a dict of strings (lmms-eval's format)."""
+    out: dict[str, str] = {}
+    for part in str(text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(f"model argument {part!r} is not key=value")
+        key, value = part.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(load kwargs, ``make_cache`` kwargs) from model arguments (a string or lmms-eval's dict).
+
+    Values may be strings or already typed (lmms-eval converts numbers). The policy name is
+    checked; the budget's range is checked by ``make_cache`` when the first cache is built.
+    Unknown keys are ignored with a warning.
+    """
+    raw = parse_model_args(args) if isinstance(args, str) else dict(args)
+    load: dict[str, Any] = {k: DEFAULTS[k] for k in ("device", "dtype", "max_new_tokens")}
+    cache: dict[str, Any] = {"policy": DEFAULTS["policy"], "budget": DEFAULTS["budget"]}
+    unknown = []
+    for key, value in raw.items():
+        if value is None:
+            continue
+        conv = _CONVERT.get(key, lambda v: v)
+        if key in _CACHE_ARGS:
+            cache[key] = conv(value)
+        elif key in _LOAD_ARGS:
+            load[key] = conv(value)
+        elif key not in _HARNESS_ARGS:
+            unknown.append(key)
+    if unknown:
+        warnings.warn(f"vlm_kv lmms-eval model: ignoring unknown model argument(s) {', '.join(sorted(unknown))}; "
+                      f"known: {', '.join(_LOAD_ARGS + _CACHE_ARGS)}", RuntimeWarning, stacklevel=2)
+    if not load.get("pretrained"):
+        raise ValueError("vlm_kv lmms-eval model needs pretrained=PATH (a local Qwen2.5-VL or LLaVA folder)")
+    from vlm_kv.policies import FULL_POLICY, POLICIES
+
+    policy = str(cache["policy"])
+    if policy != FULL_POLICY and policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join([FULL_POLICY, *POLICIES])}")
+    cache["policy"] = policy
+    return load, cache
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _cache_kwarg(model) -> str:
+    import inspect
+
+    try:
+        params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _as_images(visuals) -> list:
+    from PIL import Image
+
+    out = []
+    for v in visuals or []:
+        if v is None:
+            continue
+        if isinstance(v, (list, tuple)):
+            out.extend(_as_images(v))
+        elif isinstance(v, Image.Image):
+            out.append(v.convert("RGB"))
+        elif isinstance(v, str):
+            with Image.open(v) as im:
+                out.append(im.convert("RGB"))
+        else:
+            raise NotImplementedError(f"vlm_kv lmms-eval model handles images only, got {type(v).__name__}")
+    return out
+
+
+class VLMKVGenerator:
+    """Greedy (or sampled) generation of one prompt + images on a fresh vlm-kv cache.
+
+    Independent of lmms-eval; the lmms-eval class delegates to it.
+    """
+
+    def __init__(self, model, processor, cache_kwargs: Mapping[str, Any], max_new_tokens: int = 1024):
+        self.model = model
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.cache_kwargs = dict(cache_kwargs)
+        self.max_new_tokens = int(max_new_tokens)
+        self.cache_kw = _cache_kwarg(model)
+        self.last_kv_bytes: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str, cache_kwargs: Mapping[str, Any], *, device: str | None = None,
+                        dtype: str = "auto", max_new_tokens: int = 1024) -> "VLMKVGenerator":
+        import os
+
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        if not os.path.isdir(str(pretrained)):
+            raise FileNotFoundError(f"model folder not found: {pretrained} (pretrained= must be a local folder)")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            torch_dtype = "auto" if str(device).startswith("cuda") else torch.float32
+        else:
+            torch_dtype = getattr(torch, str(dtype))
+        processor = AutoProcessor.from_pretrained(pretrained)
+        model = AutoModelForImageTextToText.from_pretrained(pretrained, dtype=torch_dtype)
+        model.to(device).eval()
+        return cls(model, processor, cache_kwargs, max_new_tokens)
+
+    def _inputs(self, context: str, images: list) -> dict:
+        import torch
+
+        text = re.sub(r"<image>\s*", "", context or "").strip() if images else (context or "")
+        content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+        enc = self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
+            return_dict=True, return_tensors="pt",
+        )
+        param = next(self.model.parameters())
+        out = {}
+        for k, v in dict(enc).items():
+            if isinstance(v, torch.Tensor):
+                v = v.to(param.device)
+                if torch.is_floating_point(v):
+                    v = v.to(param.dtype)
+                out[k] = v
+        return out
+
+    def generate(self, context: str, visuals=None, gen_kwargs: Mapping[str, Any] | None = None) -> str:
+        import torch
+
+        from vlm_kv.api import make_cache
+
+        gen_kwargs = dict(gen_kwargs or {})
+        inputs = self._inputs(context, _as_images(visuals))
+        cache = make_cache(self.model, **self.cache_kwargs)
+        temperature = float(gen_kwargs.get("temperature") or 0.0)
+        sample = bool(gen_kwargs.get("do_sample", False)) and temperature > 0
+        kwargs: dict[str, Any] = {
+            self.cache_kw: cache,
+            "max_new_tokens": int(gen_kwargs.get("max_new_tokens") or self.max_new_tokens),
+            "do_sample": sample,
+        }
+        if sample:
+            kwargs["temperature"] = temperature
+            if gen_kwargs.get("top_p") is not None:
+                kwargs["top_p"] = float(gen_kwargs["top_p"])
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is not None:
+            kwargs["pad_token_id"] = pad
+        with torch.no_grad():
+            out = self.model.generate(**inputs, **kwargs)
+        new = out[0, inputs["input_ids"].shape[1]:]
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        if hasattr(cache, "kv_bytes"):
+            self.last_kv_bytes = int(cache.kv_bytes()["total"])
+        until = gen_kwargs.get("until") or []
+        for stop in [until] if isinstance(until, str) else until:
+            if stop and stop in text:
+                text = text.split(stop, 1)[0]
+        return text
+
+
+# ----------------------------------------------------------------------------- lmms-eval class
+
+_CLASS = None
+
+
+def lmms_class():
+    """The lmms-eval model class (built and registered as ``vlm_kv`` on first call).
+
+    Raises ImportError naming ``pip install lmms-eval`` when lmms-eval is not installed.
+    """
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    try:
+        from lmms_eval.api.model import lmms
+    except ImportError as exc:
+        raise ImportError(f"the lmms-eval integration needs lmms-eval, which is not installed: {INSTALL_HINT}") from exc
+
+    class VLMKVLmms(lmms):
+        """lmms-eval model: a local Qwen2.5-VL / LLaVA generating on a vlm-kv compressed cache."""
+
+        is_simple = True
+
+        def __init__(self, pretrained: str, **kwargs):
+            load, cache = split_model_args({"pretrained": pretrained, **kwargs})
+            self.pretrained = load["pretrained"]  # read by lmms' cache naming
+            super().__init__()
+            self.cache_kwargs = cache
+            self.generator = VLMKVGenerator.from_pretrained(
+                load["pretrained"], cache, device=load["device"], dtype=load["dtype"],
+                max_new_tokens=load["max_new_tokens"],
+            )
+
+        def generate_until(self, requests) -> list[str]:
+            from tqdm.auto import tqdm
+
+            results = []
+            for request in tqdm(requests, desc=f"vlm_kv {self.cache_kwargs['policy']}@{self.cache_kwargs['budget']}",
+                                disable=getattr(self, "rank", 0) != 0):
+                contexts, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
+                visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual else []
+                results.append(self.generator.generate(contexts, visuals, gen_kwargs))
+            return results
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError("vlm_kv lmms-eval model: loglikelihood is not implemented (generation tasks only)")
+
+        def generate_until_multi_round(self, requests):
+            raise NotImplementedError("vlm_kv lmms-eval model: multi-round generation is not implemented")
+
+    try:
+        from lmms_eval.api.registry import register_model
+    except ImportError:  # very old lmms-eval: pass the instance to simple_evaluate instead
+        register_model = None
+    if register_model is not None:
+        VLMKVLmms = register_model(MODEL_NAME)(VLMKVLmms)
+    _CLASS = VLMKVLmms
+    return _CLASS
+
+
+def __getattr__(name: str):
+    if name == "VLMKVLmms":
+        return lmms_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def main() -> None:
+    """Register the model, then run lmms-eval's command line (``--model vlm_kv``)."""
+    lmms_class()
+    from lmms_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+# registered on import when lmms-eval is installed (its CLI resolves --model vlm_kv by registry)
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("lmms_eval") is not None
+    except (ImportError, ValueError):  # a stubbed / half-imported module
+        return False
+
+
+if _installed():  # pragma: no cover - not installed here
+    try:
+        lmms_class()
+    except ImportError as _exc:
+        warnings.warn(f"vlm_kv lmms-eval model not registered: {_exc}", RuntimeWarning, stacklevel=2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,215 @@
+"""``vlm-kv sweep``: one task over policies x budgets, one results table and plots.
+
+    vlm-kv sweep --task fidelity  --model smollm2 --text FILE --context 2048 --continuation 128 \\
+                 --policies snapkv,streaming_llm,h2o --budgets 0.05,0.1,0.25,0.5 --out runs/sweep_fid
+    vlm-kv sweep --task retrieval --model smollm2 --text FILE --context 1024 --depths 0.1,0.5,0.9 --trials 3 ...
+    vlm-kv sweep --task mathvision --model VLM_DIR [--data DIR] [--limit N] ...
+    vlm-kv sweep --task mmdu --model VLM_DIR --data FILE --images DIR (--judge DIR | --no-judge) ...
+
+The full cache runs once as the reference. Rerunning with the same --out skips finished
+(policy, budget) rows. Output: sweep_<task>.json / .csv and sweep_<task>_<metric>_vs_*.png in --out.
+``register(subparsers)`` adds the command to the main ``vlm-kv`` parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+__all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
+
+
+def parse_budget(text: str) -> float | int:
+    """``"0.25"`` -> 0.25 (fraction of the full cache); ``"256"`` -> 256 (tokens per KV head)."""
+    t = str(text).strip()
+    try:
+        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
+
+
+def parse_list(text: str, item=str) -> list:
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return [item(x) for x in items]
+
+
+def _budgets(text: str) -> list:
+    return parse_list(text, parse_budget)
+
+
+def _floats(text: str) -> list:
+    try:
+        return parse_list(text, float)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _policies(text: str) -> list[str]:
+    from vlm_kv.policies import FULL_POLICY, POLICIES
+
+    names = parse_list(text)
+    known = [FULL_POLICY, *POLICIES]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown polic{'y' if len(bad) == 1 else 'ies'} {', '.join(bad)}; "
+                                         f"known: {', '.join(known)}")
+    return names
+
+
+def _cache_kwargs(args) -> dict:
+    kw = {}
+    if args.evict_every is not None:
+        kw["evict_every"] = args.evict_every
+    if args.gates:
+        kw["gates"] = args.gates
+    return kw
+
+
+def _need(args, *names: str) -> None:
+    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) in (None, "")]
+    if missing:
+        raise ValueError(f"sweep --task {args.task} needs {', '.join(missing)}")
+
+
+def _text_model(args):
+    from vlm_kv.smollm2 import load_model
+
+    return load_model(args.model)
+
+
+def _vlm_loader(args):
+    if args.model == "smollm2" or not os.path.isdir(args.model):
+        raise ValueError(f"sweep --task {args.task} needs --model pointing to a local VLM folder, got {args.model!r}")
+
+    def load():
+        from vlm_kv.eval.mmdu_cli import load_vlm
+
+        return load_vlm(args.model, args.device)
+
+    return load
+
+
+def build_task(args):
+    """The sweep task object for parsed ``args`` (models load here or lazily in the task)."""
+    from vlm_kv.eval import sweep as sw
+
+    progress = not args.no_progress
+    kw = _cache_kwargs(args)
+    if args.task in ("fidelity", "retrieval"):
+        _need(args, "text")
+        if not os.path.isfile(args.text):
+            raise FileNotFoundError(f"text file not found: {args.text}")
+        context = args.context if args.context is not None else (2048 if args.task == "fidelity" else 1024)
+        model, tok = _text_model(args)
+        if args.task == "fidelity":
+            continuation = args.continuation if args.continuation is not None else 128
+            return sw.FidelityTask(model, tok, args.text, context, continuation, offset=args.offset,
+                                   model_name=args.model, cache_kwargs=kw, progress=False)
+        return sw.RetrievalTask(model, tok, args.text, context, depths=args.depths, trials=args.trials,
+                                offset=args.offset, seed=args.seed, max_new_tokens=args.max_new_tokens or 16,
+                                model_name=args.model, cache_kwargs=kw, progress=False)
+    if args.task == "mathvision":
+        from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
+
+        data = args.data or default_data_dir()
+        if data is None:
+            raise ValueError("sweep --task mathvision: give --data (testmini.jsonl + images/ folder, a .jsonl or "
+                             "parquet files) or set VLM_KV_MATHVISION_DATA")
+        problems = load_problems(data, split=args.split, limit=args.limit)
+        return sw.MathVisionTask(_vlm_loader(args), problems, args.out, prompt_style=args.prompt,
+                                 max_new_tokens=args.max_new_tokens or 4096, model_name=os.path.abspath(args.model),
+                                 data=str(problems.source), cache_kwargs=kw, progress=progress)
+    # mmdu
+    from vlm_kv.eval.mmdu_data import load_mmdu
+
+    _need(args, "data", "images")
+    if not args.no_judge and not args.judge:
+        raise ValueError("sweep --task mmdu: give --judge DIR (a local chat model folder) or --no-judge")
+    if args.judge and not args.no_judge and not os.path.isdir(args.judge):
+        raise FileNotFoundError(f"judge model folder not found: {args.judge}")
+    data = load_mmdu(args.data, args.images, limit=args.limit)
+    if not data.dialogs:
+        raise ValueError(f"no MMDU dialogs loaded from {args.data}")
+    judge = None if args.no_judge else args.judge
+    return sw.MMDUTask(_vlm_loader(args), data, args.out, judge=judge,
+                       judge_kwargs={"device": args.device, "max_new_tokens": args.judge_max_new_tokens},
+                       max_new_tokens=args.max_new_tokens or 2048, model_name=os.path.abspath(args.model),
+                       cache_kwargs=kw, progress=progress)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from vlm_kv.eval.sweep import run_sweep
+
+    task = build_task(args)
+    result = run_sweep(task, args.policies, args.budgets, args.out, progress=not args.no_progress)
+    keys = [m.key for m in task.metrics]
+    header = ["policy", "budget", *keys, "kv_fraction"]
+    lines = [header]
+    if result.reference:
+        lines.append(["full", "1.0", *[_fmt(result.reference.get(k)) for k in keys], "1"])
+    for r in result.rows:
+        lines.append([r["policy"], _fmt(r["budget"]), *[_fmt(r.get(k)) for k in keys],
+                      "error" if r.get("error") else _fmt(r.get("kv_fraction"))])
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
+    for key, err in result.errors:
+        print(f"sweep: {key}: {err}", file=sys.stderr)
+    print(f"sweep: {result.n_run} run(s) now, {result.n_skipped} already done; table {result.csv_path} "
+          f"and {result.json_path}; {len(result.plots)} plot(s) in {args.out}", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the top-level ``sweep`` command to the main parser's subparsers."""
+    p = subparsers.add_parser(
+        "sweep",
+        help="one task over policies x budgets: results table (CSV + JSON) and plots",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", required=True, choices=("fidelity", "retrieval", "mathvision", "mmdu"))
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' or a local model folder (a VLM folder for mathvision / mmdu)")
+    p.add_argument("--policies", required=True, type=_policies, help="comma-separated policy names")
+    p.add_argument("--budgets", required=True, type=_budgets,
+                   help="comma-separated budgets: fractions (0.1) or tokens per KV head (256)")
+    p.add_argument("--out", required=True, help="output folder (reused to resume)")
+    p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps")
+    p.add_argument("--gates", default=None, help="retention gates folder for trimkv / dbtrimkv")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generation length (default: retrieval 16, mathvision 4096, mmdu 2048)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g = p.add_argument_group("fidelity / retrieval")
+    g.add_argument("--text", default=None, help="plain UTF-8 text file")
+    g.add_argument("--offset", type=int, default=0, help="character offset into the text")
+    g.add_argument("--context", type=int, default=None,
+                   help="tokens of text prefilled (default fidelity 2048, retrieval 1024)")
+    g.add_argument("--continuation", type=int, default=None, help="fidelity: tokens fed one at a time (default 128)")
+    g.add_argument("--depths", type=_floats, default=[0.1, 0.5, 0.9], help="retrieval: fact depths in [0, 1]")
+    g.add_argument("--trials", type=int, default=3, help="retrieval: trials per depth")
+    g.add_argument("--seed", type=int, default=0, help="retrieval: seed of the planted facts")
+    g = p.add_argument_group("mathvision / mmdu")
+    g.add_argument("--data", default=None, help="mathvision: data folder / file; mmdu: benchmark JSON")
+    g.add_argument("--images", default=None, help="mmdu: folder the images archive was extracted to")
+    g.add_argument("--limit", type=int, default=None, help="first N problems / dialogs")
+    g.add_argument("--judge", default=None, help="mmdu: local judge model folder")
+    g.add_argument("--no-judge", action="store_true", help="mmdu: ROUGE-L only")
+    g.add_argument("--judge-max-new-tokens", type=int, default=1024)
+    g.add_argument("--split", default="testmini", help="mathvision split when --data is a folder")
+    g.add_argument("--prompt", choices=("authors", "lmms-eval"), default="authors", help="mathvision prompt style")
+    g.add_argument("--device", default=None, help="cuda / cpu for VLM tasks (default: cuda when available)")
+    p.set_defaults(func=cmd_sweep)
+    return p
