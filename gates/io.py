@@ -19,9 +19,10 @@ class GateMismatchError(ValueError):
     """Gates trained for another model (or a corrupt gate folder)."""
 
 
-def save_gates(gates: RetentionGates, folder: str) -> None:
+def save_gates(gates: RetentionGates, folder: str, dtype: torch.dtype = torch.float32) -> None:
+    """Write ``gates.safetensors`` + ``gate_config.json``; ``dtype=torch.float16`` halves the file."""
     os.makedirs(folder, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in gates.state_dict().items()}
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in gates.state_dict().items()}
     save_file(tensors, os.path.join(folder, WEIGHTS))
     with open(os.path.join(folder, CONFIG), "w") as fh:
         json.dump(asdict(gates.config), fh, indent=2, sort_keys=True)

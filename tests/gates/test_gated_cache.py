@@ -43,7 +43,8 @@ def _all_scores(cache, seen):
 
 def test_dbtrimkv_keeps_exactly_the_global_top_k():
     model = tiny_model("llama", num_layers=3)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=_gates(model))
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=_gates(model),
+                              scorer_kwargs={"num_sinks": 0})
     seen = _record_log_betas(cache)
     with torch.no_grad():
         model(input_ids=torch.randint(5, 200, (1, 64), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
@@ -67,7 +68,8 @@ def test_dbtrimkv_keeps_exactly_the_global_top_k():
 
 def test_trimkv_keeps_top_m_per_head():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="trimkv", budget=8, gates=_gates(model, kind="trimkv"))
+    cache = vlm_kv.make_cache(model, policy="trimkv", budget=8, gates=_gates(model, kind="trimkv"),
+                              scorer_kwargs={"num_sinks": 0})
     seen = _record_log_betas(cache)
     with torch.no_grad():
         model(input_ids=torch.randint(5, 200, (1, 40)), past_key_values=cache)
@@ -76,6 +78,18 @@ def test_trimkv_keeps_top_m_per_head():
         for h in range(s.shape[1]):
             pos = view.positions[0, h][view.valid[0, h]]
             assert set(pos.tolist()) == set(s[0, h].topk(8).indices.tolist())
+
+
+def test_gated_policies_keep_the_attention_sinks_by_default():
+    model = tiny_model("llama", num_layers=3)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.1, gates=_gates(model))
+    with torch.no_grad():
+        model(input_ids=torch.randint(5, 200, (1, 200)), past_key_values=cache)
+    for layer in cache.layers:
+        view = layer.store.padded_view()
+        for h in range(view.positions.shape[1]):
+            kept = set(view.positions[0, h][view.valid[0, h]].tolist())
+            assert {0, 1, 2, 3} <= kept
 
 
 def test_modality_floor_and_cap_hold_with_images():
