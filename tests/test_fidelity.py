@@ -10,7 +10,7 @@ from vlm_kv.fidelity import fidelity
 @pytest.fixture(scope="module")
 def short_runs(smollm2, shared_data):
     model, tok = smollm2
-    runs = [("snapkv", 1.0), ("snapkv", 0.25), ("random", 0.25), ("streaming_llm", 0.25)]
+    runs = [("snapkv", 1.0), ("snapkv", 0.25), ("random", 0.25), ("streaming_llm", 0.25), ("dbtrimkv", 0.25)]
     results = fidelity(model, tok, str(shared_data / "text" / "pg84.txt"), context=384, continuation=24,
                        runs=runs, offset=100000, scorer_kwargs=None)
     return {(r.policy, r.budget): r for r in results}
@@ -30,6 +30,27 @@ def test_compression_holds_its_budget_and_attention_beats_random(short_runs):
         assert r.kl > 0
     assert snap.kl < rand.kl
     assert snap.top1 >= rand.top1
+
+
+def test_shipped_gates_drive_dbtrimkv_by_default(short_runs):
+    import os
+
+    from vlm_kv.gates import PRETRAINED_DIR
+
+    gated, rand = short_runs[("dbtrimkv", 0.25)], short_runs[("random", 0.25)]
+    assert gated.max_kv_bytes <= 0.25 * gated.full_kv_bytes
+    assert gated.kl < rand.kl / 5
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(PRETRAINED_DIR) for f in files)
+    assert size <= 5 * 10**6
+
+
+def test_demo_prints_both_answers_and_memory(smollm2, capsys):
+    from vlm_kv.demo import run_demo
+
+    assert run_demo(budget=0.25, max_new_tokens=6, questions=("To whom are the letters addressed?",), loaded=smollm2) == 0
+    out = capsys.readouterr().out
+    assert "full cache" in out and "dbtrimkv @ 0.25" in out
+    assert out.count("KV ") == 2 and "of full" in out
 
 
 def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeypatch):

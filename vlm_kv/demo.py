@@ -33,12 +33,15 @@ def answer(model, tokenizer, document: str, question: str, cache, max_new_tokens
     return " ".join(text.split()), time.perf_counter() - start
 
 
-def run_demo(policy: str = "snapkv", budget: float = 0.25, max_new_tokens: int = 48, gates: str | None = None,
-             questions: tuple[str, ...] = QUESTIONS) -> int:
+def run_demo(policy: str = "dbtrimkv", budget: float = 0.25, max_new_tokens: int = 48, gates: str | None = None,
+             questions: tuple[str, ...] = QUESTIONS, loaded: tuple | None = None) -> int:
+    """Print full-cache and compressed-cache answers side by side; ``loaded`` = (model, tokenizer)."""
     from vlm_kv.smollm2 import load_smollm2
 
-    print("Loading SmolLM2-135M-Instruct (fp32, CPU) ...", flush=True)
-    model, tokenizer = load_smollm2()
+    if loaded is None:
+        print("Loading SmolLM2-135M-Instruct (fp32, CPU) ...", flush=True)
+        loaded = load_smollm2()
+    model, tokenizer = loaded
     with open(TEXT_FILE, encoding="utf-8") as fh:
         document = fh.read()
     n_tokens = len(tokenizer(document).input_ids)
