@@ -5,19 +5,22 @@ from __future__ import annotations
 import os
 
 PRETRAINED_DIR = os.path.join(os.path.dirname(__file__), "pretrained")
-DEFAULTS = {"smollm2-135m": "smollm2-135m-dbtrimkv"}
+SHIPPED = ("smollm2-135m-dbtrimkv", "smollm2-135m-trimkv")
 
 
-def default_gates_for(model) -> str | None:
-    """Folder of the gates shipped for ``model`` (matched by structure), or None."""
+def default_gates_for(model, kind: str = "dbtrimkv") -> str | None:
+    """Folder of the shipped gates of ``kind`` that fit ``model``, or None."""
     from vlm_kv.gates.io import CONFIG, GateMismatchError, check_fits, load_config
 
-    for folder in DEFAULTS.values():
+    for folder in SHIPPED:
         path = os.path.join(PRETRAINED_DIR, folder)
         if not os.path.isfile(os.path.join(path, CONFIG)):
             continue
+        config = load_config(path)
+        if config.kind != kind:
+            continue
         try:
-            check_fits(load_config(path), model)
+            check_fits(config, model)
         except GateMismatchError:
             continue
         return path

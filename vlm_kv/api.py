@@ -117,7 +117,7 @@ def _resolve_gates(model: torch.nn.Module, gates: "str | torch.nn.Module | None"
     from vlm_kv.gates.retention_gate import RetentionGates
 
     if gates is None:
-        gates = default_gates_for(model)
+        gates = default_gates_for(model, kind="trimkv" if policy == "trimkv" else "dbtrimkv")
         if gates is None:
             raise ValueError(
                 f"policy {policy!r} needs retention gates for this model: pass gates=DIR "

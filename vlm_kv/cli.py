@@ -16,10 +16,11 @@ def _load(model: str):
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    from vlm_kv.budget import Budget
     from vlm_kv.fidelity import fidelity
 
+    budget = Budget.parse(args.budget).as_number()  # refuse a bad budget before loading the model
     model, tok = _load(args.model)
-    budget = float(args.budget)
     kwargs = {}
     if args.evict_every is not None:
         kwargs["evict_every"] = args.evict_every
@@ -119,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # transformers 5.x renames generate's `past_key_values` to `cache`; we keep the older
+    # spelling for compatibility across 5.x and do not want its notice in every tool's output
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     from vlm_kv.budget import BudgetError

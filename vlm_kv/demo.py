@@ -10,10 +10,10 @@ from transformers import DynamicCache
 
 from vlm_kv.api import make_cache
 
-TEXT_FILE = os.path.join(os.path.dirname(__file__), "data", "frankenstein_letters.txt")
+TEXT_FILE = os.path.join(os.path.dirname(__file__), "data", "frankenstein_letter1.txt")
 QUESTIONS = (
-    "In which city is the writer of the first letter?",
-    "To whom are the letters addressed?",
+    "In which city was this letter written?",
+    "Who is the letter addressed to?",
 )
 
 
