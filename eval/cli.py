@@ -15,21 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
 
+from vlm_kv.budget import budget_arg as parse_budget
+
 __all__ = ["parse_budget", "register"]
 
 
-def parse_budget(text: str) -> float | int:
-    """``"0.25"`` -> 0.25 (fraction of the full cache); ``"256"`` -> 256 (tokens per KV head)."""
-    t = str(text).strip()
-    try:
-        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
 
 
 # --------------------------------------------------------------------------

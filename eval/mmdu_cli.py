@@ -14,17 +14,10 @@ import argparse
 import gc
 import json
 import os
-import re
 import sys
 
+from vlm_kv.budget import budget_arg as parse_budget
 
-def parse_budget(text: str) -> float | int:
-    """"0.25" -> 0.25 (fraction of the full cache); "256" -> 256 (tokens per KV head)."""
-    t = str(text).strip()
-    try:
-        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
 
 
 def _default_out(args) -> str:

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
+
+from vlm_kv.budget import budget_arg as parse_budget
 
 __all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
 
 
-def parse_budget(text: str) -> float | int:
-    """``"0.25"`` -> 0.25 (fraction of the full cache); ``"256"`` -> 256 (tokens per KV head)."""
-    t = str(text).strip()
-    try:
-        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a number, got {text!r}") from None
 
 
 def parse_list(text: str, item=str) -> list:

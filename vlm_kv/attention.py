@@ -14,7 +14,7 @@ with the same signature.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -229,5 +229,3 @@ def register() -> str:
         _registered = True
     return ATTN_IMPLEMENTATION
 
-
-AttendFn = Callable[[torch.Tensor, PaddedView, torch.Tensor, "float | None", bool], torch.Tensor]

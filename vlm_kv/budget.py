@@ -80,3 +80,14 @@ class Budget:
 
     def as_number(self) -> float:
         return self.fraction if self.fraction is not None else float(self.tokens_per_head)
+
+
+def budget_arg(text: str) -> float | int:
+    """argparse type: "0.25" -> 0.25 (fraction of the full cache), "256" -> 256 (tokens per KV head)."""
+    import argparse
+
+    try:
+        budget = Budget.parse(text)
+    except BudgetError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return budget.fraction if budget.fraction is not None else budget.tokens_per_head

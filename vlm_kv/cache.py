@@ -68,7 +68,6 @@ class CompressedLayer(CacheLayerMixin):
         if self.cache.gates is not None:
             self.store.set_tail_state("log_beta", self.cache.take_log_beta(self.layer_idx, b, q))
         self.seen += q
-        self.cache.on_update(self, key_states, value_states)
         hand_over(self)
         return key_states, value_states
 
@@ -170,7 +169,6 @@ class CompressedCache(Cache):
         self.eviction_steps = 0
         self.max_kv_bytes = 0
         self.evicted_entries = 0
-        self.layer_hooks: list = []  # observers called on every update
         self.gates = gates
         self._log_beta: dict[int, torch.Tensor] = {}
         if "log_beta" in scorer.state_names and gates is None:
@@ -222,10 +220,6 @@ class CompressedCache(Cache):
                 "with vlm_kv.make_cache for this model?)"
             )
         return log_beta
-
-    def on_update(self, layer: CompressedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for hook in self.layer_hooks:
-            hook(layer, keys, values)
 
     # ---------------------------------------------------------- eviction
     def end_of_forward(self, q_len: int) -> None:

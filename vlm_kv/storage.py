@@ -163,7 +163,7 @@ class VarlenKVStore:
         Attention needs only keys, values, positions and validity; scoring and compaction
         ask for modality and policy state too.
         """
-        B, H, D, T = self.batch_size, self.num_kv_heads, self.head_dim, self.tail_size
+        B, H, T = self.batch_size, self.num_kv_heads, self.tail_size
         dev = self.device
         tail_valid = self.tail_valid[:, None, :].expand(B, H, T)
         tail_pos = self.tail_positions.long()[None, None, :].expand(B, H, T)

@@ -367,7 +367,7 @@ def test_cli_subcommand(fixture_dir, vlm, judge_dir, tmp_path, monkeypatch):
         "--judge", str(judge_dir), "--policy", "full", "--budget", "1", "--limit", "2", "--out", str(out),
         "--max-new-tokens", "3", "--judge-max-new-tokens", "4",
     ])
-    assert args.budget == 1 and isinstance(args.budget, int)
+    assert args.budget == 1.0  # "1" means the whole cache (vlm_kv.budget.Budget.parse), not one token
     assert args.func(args) == 0
     assert loaded == ["some/vlm"]
     s = json.loads((out / SUMMARY_FILE).read_text())
