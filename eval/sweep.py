@@ -657,7 +657,7 @@ def write_plots(task, state: dict, out_dir: str | os.PathLike) -> list[Path]:
     paths: list[Path] = []
     for metric in task.metrics:
         for axis in ("budget", "kv_bytes"):
-            fig = Figure(figsize=(7.5, 4.8), dpi=110)
+            fig = Figure(figsize=(9.0, 4.8), dpi=110)
             FigureCanvasAgg(fig)
             ax = fig.add_subplot(1, 1, 1)
             kv_values = [float(r["kv_bytes"]) for r in rows if r.get("kv_bytes") is not None]
@@ -676,6 +676,14 @@ def write_plots(task, state: dict, out_dir: str | os.PathLike) -> list[Path]:
                     pts.sort()
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
             ref_y = ref.get(metric.key)
+            ys = [float(r[metric.key]) for r in rows if r.get(metric.key) is not None]
+            # KL spans decades between good and bad policies: a log axis keeps the good ones apart
+            log_axis = metric.ylim is None and ys and min(ys) > 0 and max(ys) / min(ys) > 20
+            if log_axis:
+                ax.set_yscale("log")
+                if ref_y is not None and float(ref_y) <= 0:
+                    ax.plot([], [], color="black", linestyle="--", label=f"full cache ({float(ref_y):g}, off the log axis)")
+                    ref_y = None
             if ref_y is not None:
                 ax.axhline(float(ref_y), color="black", linestyle="--", linewidth=1.2, label="full cache")
                 if axis == "kv_bytes" and ref.get("kv_bytes") is not None:
@@ -695,7 +703,7 @@ def write_plots(task, state: dict, out_dir: str | os.PathLike) -> list[Path]:
                 ax.set_ylim(lo - pad, hi + pad)
             ax.grid(True, alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8, loc="best")
+                ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
             fig.tight_layout()
             path = out / f"sweep_{task.name}_{metric.key}_vs_{axis}.png"
             fig.savefig(path)
