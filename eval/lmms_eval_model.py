@@ -32,6 +32,8 @@ import re
 import warnings
 from typing import Any, Mapping
 
+from vlm_kv.api import cache_kwarg
+
 __all__ = [
     "MODEL_NAME",
     "INSTALL_HINT",
@@ -140,14 +142,6 @@ def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dic
 # ----------------------------------------------------------------------------- generation
 
 
-def _cache_kwarg(model) -> str:
-    import inspect
-
-    try:
-        params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _as_images(visuals) -> list:
@@ -181,7 +175,7 @@ class VLMKVGenerator:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.cache_kwargs = dict(cache_kwargs)
         self.max_new_tokens = int(max_new_tokens)
-        self.cache_kw = _cache_kwarg(model)
+        self.cache_kw = cache_kwarg(model)
         self.last_kv_bytes: int | None = None
 
     @classmethod

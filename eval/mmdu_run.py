@@ -72,6 +72,7 @@ from typing import Any, Callable
 
 import torch
 
+from vlm_kv.api import cache_kwarg
 from vlm_kv.eval.mmdu_data import Dialog, MMDUData, split_question
 from vlm_kv.eval.mmdu_judge import (
     SCORE_KEYS,
@@ -101,13 +102,6 @@ class CacheStateError(RuntimeError):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _cache_kwarg_name(model) -> str:
-    """``cache`` on transformers versions that renamed ``past_key_values``, else the old name."""
-    try:
-        params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
@@ -243,7 +237,7 @@ class DialogRunner:
         self.messages: list[dict] = []
         self.stop_ids = _stop_ids(model, self.tokenizer)
         self.suppress = _placeholder_ids(model, processor)
-        self.cache_kw = _cache_kwarg_name(model)
+        self.cache_kw = cache_kwarg(model)
         self.device = _model_device(model)
 
     # -- segment rendering ------------------------------------------------------------------

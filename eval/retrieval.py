@@ -21,7 +21,6 @@ Trials are deterministic given ``seed`` (facts) and ``offset`` (text position).
 
 from __future__ import annotations
 
-import inspect
 import random
 import re
 from typing import Any, Sequence
@@ -29,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from vlm_kv.api import make_cache
+from vlm_kv.api import cache_kwarg, make_cache
 
 __all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes"]
 
@@ -143,13 +142,6 @@ def _prompt_ids(tokenizer, spec: dict) -> dict:
     return {k: v for k, v in dict(enc).items() if isinstance(v, torch.Tensor)}
 
 
-def _cache_kwarg(model) -> str:
-    """``cache`` where transformers renamed ``past_key_values`` (5.x deprecation), else the old name."""
-    try:
-        params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @torch.no_grad()
@@ -159,7 +151,7 @@ def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int) -> str:
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None)
-    kwargs = {_cache_kwarg(model): cache}
+    kwargs = {cache_kwarg(model): cache}
     out = model.generate(**inputs, **kwargs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 

@@ -14,6 +14,18 @@ from vlm_kv.models.adapters import ModelAdapter, get_adapter
 from vlm_kv.policies import FULL_POLICY, GATED_POLICIES, build_policy
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name under which ``model.generate`` / ``model(...)`` take the cache on this transformers:
+    ``cache`` since 5.x renamed it, ``past_key_values`` before."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _find_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     attention_mask = kwargs.get("attention_mask")

@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from vlm_kv.api import make_cache
+from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.fidelity import text_tokens
 
 
@@ -20,13 +20,14 @@ def _cache_bytes(cache) -> int:
 
 @torch.no_grad()
 def _time_decode(model, cache, ids: torch.Tensor, context: int, steps: int, repeats: int) -> tuple[float, int]:
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+    cache_arg = {cache_kwarg(model): cache}
+    model(input_ids=ids[:, :context], **cache_arg, use_cache=True)
     token = ids[:, context : context + 1]
     per_round = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(steps):
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=token, **cache_arg, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
         per_round.append((time.perf_counter() - start) * 1000 / steps)
     return statistics.median(per_round), _cache_bytes(cache)

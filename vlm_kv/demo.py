@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from vlm_kv.api import make_cache
+from vlm_kv.api import cache_kwarg, make_cache
 
 TEXT_FILE = os.path.join(os.path.dirname(__file__), "data", "frankenstein_letter1.txt")
 QUESTIONS = (
@@ -28,7 +28,7 @@ def answer(model, tokenizer, document: str, question: str, cache, max_new_tokens
     messages = [{"role": "user", "content": f"{document}\n\nQuestion: {question} Answer in one short sentence."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     start = time.perf_counter()
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=max_new_tokens, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     return " ".join(text.split()), time.perf_counter() - start
 

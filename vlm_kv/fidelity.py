@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from vlm_kv.api import make_cache
+from vlm_kv.api import cache_kwarg, make_cache
 
 
 @dataclass
@@ -66,13 +66,14 @@ def run_reference(model, ids: torch.Tensor, context: int, progress: bool = False
 
 
 def _feed(model, cache, ids, context, progress, label) -> tuple[torch.Tensor, float]:
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+    cache_arg = {cache_kwarg(model): cache}
+    model(input_ids=ids[:, :context], **cache_arg, use_cache=True)
     steps = ids.shape[1] - 1 - context
     out = []
     start = time.perf_counter()
     for i in tqdm(range(steps), desc=label, disable=not progress, leave=False):
         tok = ids[:, context + i : context + i + 1]
-        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        logits = model(input_ids=tok, **cache_arg, use_cache=True).logits[:, -1].float()
         out.append(F.log_softmax(logits, dim=-1)[0])
     elapsed = (time.perf_counter() - start) / max(steps, 1)
     return torch.stack(out), elapsed * 1000
