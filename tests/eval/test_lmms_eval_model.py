@@ -4,20 +4,11 @@ import sys
 import types
 
 import pytest
-import torch
 from PIL import Image
 
 import vlm_kv
 from vlm_kv.eval import lmms_eval_model as lem
 from vlm_kv.models.tiny import tiny_model, tiny_processor
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

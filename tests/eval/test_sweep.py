@@ -5,7 +5,6 @@ import csv
 import json
 
 import pytest
-import torch
 
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval import sweep_cli
@@ -15,15 +14,6 @@ from vlm_kv.models.tiny import tiny_model, tiny_tokenizer
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 POLICIES = ["snapkv", "streaming_llm"]
 BUDGETS = [0.5, 0.75]  # the tiny contexts are short: snapkv always keeps a 32-token window
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode faster on one thread (and do not stall when the other cores are busy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,19 @@ def _text_kwargs(num_layers: int) -> dict:
     )
 
 
+# vision tower shape shared by the Qwen2.5-VL and Qwen3-VL tiny configs
+_QWEN_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=_HIDDEN,
+    patch_size=_QWEN_PATCH,
+    spatial_merge_size=_QWEN_MERGE,
+    temporal_patch_size=_QWEN_TEMPORAL_PATCH,
+)
+
+
 def tiny_config(family: str, num_layers: int = 2):
     """The config tiny_model(family) is built from (no weights)."""
     _check_family(family)
@@ -141,14 +154,7 @@ def tiny_config(family: str, num_layers: int = 2):
             cls = tf.Qwen2VLConfig
         else:
             vision = dict(
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=_HIDDEN,
-                patch_size=_QWEN_PATCH,
-                spatial_merge_size=_QWEN_MERGE,
-                temporal_patch_size=_QWEN_TEMPORAL_PATCH,
+                **_QWEN_VISION,
                 window_size=_QWEN_PATCH * _QWEN_MERGE * 2,  # 2x2 merged units per window
                 fullatt_block_indexes=[1],
             )
@@ -171,14 +177,7 @@ def tiny_config(family: str, num_layers: int = 2):
         }
         text_cfg = dict(text, head_dim=_HEAD_DIM, rope_parameters=rope)
         vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=_HIDDEN,
-            patch_size=_QWEN_PATCH,
-            spatial_merge_size=_QWEN_MERGE,
-            temporal_patch_size=_QWEN_TEMPORAL_PATCH,
+            **_QWEN_VISION,
             num_position_embeddings=64,  # 8x8 learned grid, interpolated
             deepstack_visual_indexes=[0],  # injected into LM layer 0
         )
