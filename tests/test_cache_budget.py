@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.models.tiny import tiny_model
+from vlm_kv.testing import tiny_model
 from vlm_kv.policies import POLICIES
 
 BASELINES = [p for p in POLICIES if p not in ("trimkv", "dbtrimkv")]

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 import vlm_kv
 from vlm_kv.models.adapters import SUPPORTED_FAMILIES
-from vlm_kv.models.tiny import tiny_inputs, tiny_model
+from vlm_kv.testing import tiny_inputs, tiny_model
 
 TEXT = {"llama", "qwen2", "qwen3"}
 

@@ -11,7 +11,7 @@ from vlm_kv.cache import CacheMisuseError
 from vlm_kv.gates.io import GateMismatchError, load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
 from vlm_kv.models.adapters import UnsupportedModelError, get_adapter
-from vlm_kv.models.tiny import tiny_model
+from vlm_kv.testing import tiny_model
 from vlm_kv.policies import UnknownPolicyError
 
 

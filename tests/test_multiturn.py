@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.models.tiny import tiny_inputs, tiny_model
+from vlm_kv.testing import tiny_inputs, tiny_model
 
 
 def _rotary_positions(model):

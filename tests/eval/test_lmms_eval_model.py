@@ -8,7 +8,7 @@ from PIL import Image
 
 import vlm_kv
 from vlm_kv.eval import lmms_eval_model as lem
-from vlm_kv.models.tiny import tiny_model, tiny_processor
+from vlm_kv.testing import tiny_model, tiny_processor
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from vlm_kv.eval.mathvision_run import (
     load_rows,
     run_mathvision,
 )
-from vlm_kv.models.tiny import tiny_model, tiny_processor
+from vlm_kv.testing import tiny_model, tiny_processor
 
 MV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mathvision"
 

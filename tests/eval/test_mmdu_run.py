@@ -25,7 +25,7 @@ from vlm_kv.eval.mmdu_run import (
     run_mmdu,
     summarize,
 )
-from vlm_kv.models.tiny import tiny_model, tiny_processor
+from vlm_kv.testing import tiny_model, tiny_processor
 
 POLICY, BUDGET = "snapkv", 40  # 40 tokens per KV head: the tiny dialogs are longer, so it evicts
 

@@ -9,7 +9,7 @@ import pytest
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval import sweep_cli
 from vlm_kv.eval.retrieval import build_trials, retrieval, score_answer
-from vlm_kv.models.tiny import tiny_model, tiny_tokenizer
+from vlm_kv.testing import tiny_model, tiny_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 POLICIES = ["snapkv", "streaming_llm"]
@@ -211,7 +211,7 @@ def test_sweep_cli_runs_a_retrieval_sweep(tiny, text_file, tmp_path, monkeypatch
 
 @pytest.fixture(scope="module")
 def tiny_vlm():
-    from vlm_kv.models.tiny import tiny_processor
+    from vlm_kv.testing import tiny_processor
 
     return tiny_model("qwen2_5_vl"), tiny_processor("qwen2_5_vl")
 

@@ -5,7 +5,7 @@ import vlm_kv
 from vlm_kv.gates.io import load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates, retention_scores
 from vlm_kv.models.adapters import get_adapter
-from vlm_kv.models.tiny import tiny_inputs, tiny_model
+from vlm_kv.testing import tiny_inputs, tiny_model
 
 
 def _gates(model, kind="dbtrimkv", coupled=True, seed=0):

@@ -16,7 +16,7 @@ from vlm_kv.models.adapters import (
     UnsupportedModelError,
     get_adapter,
 )
-from vlm_kv.models.tiny import TINY_FAMILIES, tiny_config, tiny_inputs, tiny_model
+from vlm_kv.testing import TINY_FAMILIES, tiny_config, tiny_inputs, tiny_model
 
 TEXT_FAMILIES = ("llama", "qwen2", "qwen3")
 VLM_FAMILIES = tuple(f for f in SUPPORTED_FAMILIES if f not in TEXT_FAMILIES)

@@ -1,4 +1,4 @@
-"""Tests for vlm_kv.models.tiny: tiny models, inputs and processors."""
+"""Tests for vlm_kv.testing: tiny models, inputs and processors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from vlm_kv.models.adapters import get_adapter
-from vlm_kv.models.tiny import (
+from vlm_kv.testing import (
     TINY_FAMILIES,
     TINY_VOCAB_SIZE,
     tiny_inputs,

@@ -7,7 +7,7 @@ from PIL import Image, ImageDraw
 
 from vlm_kv import make_cache
 from vlm_kv.gates.io import load_gates
-from vlm_kv.models.tiny import tiny_model, tiny_processor
+from vlm_kv.testing import tiny_model, tiny_processor
 from vlm_kv.train.loop import TrainConfig, latest_checkpoint, train_gates
 
 

@@ -1,4 +1,4 @@
-"""Random-weight tiny models, inputs and processors for tests and smoke runs.
+"""Test scaffolding: random-weight tiny models, inputs and processors (never for quality claims).
 
 Everything here is built from configs in memory (no hub access) and exists only to
 exercise code paths: shapes, cache plumbing, modality bookkeeping, generation loops.
