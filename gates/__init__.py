@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 
+from vlm_kv.gates.io import CONFIG, GateMismatchError, check_fits, load_config
+
 PRETRAINED_DIR = os.path.join(os.path.dirname(__file__), "pretrained")
 SHIPPED = ("smollm2-135m-dbtrimkv", "smollm2-135m-trimkv")
 
 
 def default_gates_for(model, kind: str = "dbtrimkv") -> str | None:
     """Folder of the shipped gates of ``kind`` that fit ``model``, or None."""
-    from vlm_kv.gates.io import CONFIG, GateMismatchError, check_fits, load_config
-
     for folder in SHIPPED:
         path = os.path.join(PRETRAINED_DIR, folder)
         if not os.path.isfile(os.path.join(path, CONFIG)):

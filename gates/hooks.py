@@ -12,23 +12,12 @@ from typing import Any
 import torch
 
 from vlm_kv.attention import stash_log_beta
+from vlm_kv.hooks import attach, inference_gate_hook  # noqa: F401  (inference_gate_hook: re-exported)
 from vlm_kv.gates.retention_gate import RetentionGates
 
 
-def _hidden_and_cache(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return hidden, cache
-
-
-def inference_gate_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Compute log beta of the new tokens for a compressed cache that carries gates."""
-    from vlm_kv.cache import CompressedCache
-
-    hidden, cache = _hidden_and_cache(args, kwargs)
-    if isinstance(cache, CompressedCache) and cache.gates is not None and hidden is not None:
-        with torch.no_grad():
-            cache.stash_log_beta(module.layer_idx, cache.gates.log_beta(module.layer_idx, hidden))
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    return kwargs.get("hidden_states", args[0] if args else None)
 
 
 class SoftRetention:
@@ -42,8 +31,6 @@ class SoftRetention:
     """
 
     def __init__(self, model: torch.nn.Module, gates: RetentionGates) -> None:
-        from vlm_kv.api import attach
-
         self.model = model
         self.gates = gates
         self.adapter = attach(model)
@@ -51,7 +38,7 @@ class SoftRetention:
         self._handles: list = []
 
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden, _ = _hidden_and_cache(args, kwargs)
+        hidden = _hidden(args, kwargs)
         log_beta = self.gates.log_beta(module.layer_idx, hidden)
         self.log_betas.append(log_beta)
         stash_log_beta(log_beta)

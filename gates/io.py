@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
+from vlm_kv.models.adapters import get_adapter
 
 WEIGHTS = "gates.safetensors"
 CONFIG = "gate_config.json"
@@ -57,7 +58,6 @@ def load_gates(folder: str, model=None) -> RetentionGates:
 
 
 def check_fits(config: GateConfig, model) -> None:
-    from vlm_kv.models.adapters import get_adapter
 
     expected = get_adapter(model).fingerprint()
     trained = config.model or {}

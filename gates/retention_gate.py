@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vlm_kv.policies.retention import retention_scores  # noqa: F401  (re-exported: gates score with it)
+
 GATE_KINDS = ("dbtrimkv", "trimkv")
 
 
@@ -92,9 +94,3 @@ class RetentionGates(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def retention_scores(log_beta: torch.Tensor, positions: torch.Tensor, now: int) -> torch.Tensor:
-    """Eviction score ``(t - i) * log beta``: higher = keep. Same shapes in, same shape out."""
-    age = (now - positions).clamp(min=0).to(log_beta.dtype)
-    return age * log_beta

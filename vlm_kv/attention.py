@@ -7,8 +7,8 @@ per-head lengths and GQA. Calls without a note (a DynamicCache, a vision tower, 
 without cache) fall through to transformers' SDPA path unchanged, so switching a model to
 ``vlm_kv`` attention never changes what it computes with other caches.
 
-``varlen_attention`` is the pure PyTorch path; ``vlm_kv.kernels`` may provide a faster one
-with the same signature.
+``varlen_attention`` is the pure PyTorch path for several queries (prefill, a new turn) over a
+padded working copy; ``decode_attention`` serves one query per sequence straight from the store.
 """
 
 from __future__ import annotations
@@ -29,19 +29,68 @@ ATTN_IMPLEMENTATION = "vlm_kv"
 _pending = threading.local()
 
 
+class AttentionBypassError(RuntimeError):
+    """A compressed cache's entries would be bypassed: the model computed something else."""
+
+
 def hand_over(layer: Any) -> None:
-    """Called by a cache layer's ``update``: the next attention call of this thread is ours."""
+    """Called by a cache layer's ``update``: the next attention call of this thread is ours.
+
+    A hand-off still pending means the previous layer's attention never reached the ``vlm_kv``
+    function (the attention implementation was switched after ``make_cache``): its output was
+    computed from the new tokens alone, so we stop rather than return something else.
+    """
+    previous = getattr(_pending, "layer", None)
+    if previous is not None:
+        _pending.layer = None
+        raise AttentionBypassError(unconsumed_message(previous.layer_idx))
     _pending.layer = layer
+
+
+def unconsumed_message(layer_idx: int) -> str:
+    return (
+        f"layer {layer_idx} stored its keys/values in the compressed cache but its attention did not run "
+        f"through the {ATTN_IMPLEMENTATION!r} attention function, so the model attended over the new tokens "
+        "only; was the attention implementation switched after make_cache (e.g. "
+        "model.set_attn_implementation('sdpa'))? Call vlm_kv.make_cache (or vlm_kv.attach) again on this model"
+    )
+
+
+def begin_forward() -> None:
+    """A forward with a compressed cache starts: every vlm_kv attention call must be handed a layer."""
+    _pending.layer = None
+    _pending.active = True
+
+
+def end_forward() -> None:
+    """The forward ended; a hand-off still pending was never consumed."""
+    _pending.active = False
+    layer = getattr(_pending, "layer", None)
+    _pending.layer = None
+    if layer is not None:
+        raise AttentionBypassError(unconsumed_message(layer.layer_idx))
+
+
+def end_forward_quietly() -> None:
+    """The forward raised: forget its state without judging it."""
+    _pending.active = False
+    _pending.layer = None
 
 
 def _take_pending(module: torch.nn.Module) -> Any:
     layer = getattr(_pending, "layer", None)
     if layer is None:
+        if getattr(_pending, "active", False) and getattr(_pending, "log_beta", None) is None:
+            raise AttentionBypassError(
+                f"vlm_kv attention ran for layer {getattr(module, 'layer_idx', '?')} without cache.update: "
+                "the compressed cache would be bypassed; the model must store its keys/values in the cache "
+                "right before attention"
+            )
         return None
     _pending.layer = None
     idx = getattr(module, "layer_idx", None)
     if idx is not None and idx != layer.layer_idx:
-        raise RuntimeError(
+        raise AttentionBypassError(
             f"vlm_kv attention got layer {idx} but the cache prepared layer {layer.layer_idx}; "
             "the model must call cache.update right before attention"
         )
@@ -90,6 +139,92 @@ def varlen_attention(
     mask = mask[:, :, None].expand(b, h, g, q, view.length).reshape(b, h, g * q, view.length)
     out = F.scaled_dot_product_attention(packed, view.keys, view.values, attn_mask=mask, scale=scaling)
     return out.view(b, hq, q, d).transpose(1, 2)
+
+
+def decode_attention(
+    query: torch.Tensor, store: Any, scaling: float | None, want_received: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor] | None]:
+    """One new query per sequence over a store, read where the entries lie (no padded copy).
+
+    query: [B, Hq, 1, D]. Returns the output [B, 1, Hq, D] and, with ``want_received``, the
+    attention each entry received averaged over its query-head group, split as the store lays
+    entries out: (body [N], tail [B, H, T]).
+
+    Body and tail share one softmax. A body whose heads all hold the same length is a dense
+    [B, H, L, D] view; a ragged body (adaptive or global allocations) is read per sequence as
+    one flat block, each query head masked to its own KV head's run.
+    """
+    b, hq, _, d = query.shape
+    h = store.num_kv_heads
+    g = hq // h
+    if query.dtype != torch.float32:
+        return _decode_attention_low_precision(query, store, scaling, want_received)
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.reshape(b, h, g, d)
+    tail_k, tail_v = store.tail_keys, store.tail_values
+    tail_logits = torch.matmul(q, tail_k.transpose(-1, -2)).float() * scale  # [B, H, g, T]
+    if not store.tail_all_valid:
+        tail_logits = tail_logits.masked_fill(~store.tail_valid[:, None, None, :], float("-inf"))
+    T = tail_logits.shape[-1]
+    if store.body_size == 0 or store.uniform:
+        if store.body_size:
+            body_k, body_v = store.body_dense()
+            logits = torch.cat([torch.matmul(q, body_k.transpose(-1, -2)).float() * scale, tail_logits], dim=-1)
+        else:
+            body_v, logits = None, tail_logits
+        probs = torch.softmax(logits, dim=-1)
+        L = logits.shape[-1] - T
+        p_tail = probs[..., L:].to(query.dtype)
+        out = torch.matmul(p_tail, tail_v)
+        if L:
+            out = out + torch.matmul(probs[..., :L].to(query.dtype), body_v)
+        out = out.reshape(b, hq, 1, d).transpose(1, 2)
+        if not want_received:
+            return out, None
+        received_body = probs[..., :L].mean(dim=2).reshape(-1) if L else None
+        return out, (received_body, probs[..., L:].mean(dim=2))
+    outs, body_parts, tail_parts = [], [], []
+    kv_of_query = torch.arange(h, device=query.device).repeat_interleave(g)  # [H*g]
+    for i in range(b):
+        start, count = store.batch_span(i)
+        keys = store.body_keys[start : start + count]
+        values = store.body_values[start : start + count]
+        qi = q[i].reshape(h * g, d)
+        body_logits = torch.matmul(qi, keys.transpose(0, 1)).float() * scale  # [H*g, n]
+        own = store.entry_head[start : start + count].long()[None, :] == kv_of_query[:, None]
+        body_logits = body_logits.masked_fill(~own, float("-inf"))
+        # the tail is dense per head: its logits sit on the block diagonal of the query heads
+        logits = torch.cat([body_logits, tail_logits[i].reshape(h * g, T)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        p_body = probs[:, :count].to(query.dtype)
+        p_tail = probs[:, count:].reshape(h, g, T).to(query.dtype)
+        out = torch.matmul(p_body, values) + torch.matmul(p_tail, tail_v[i]).reshape(h * g, d)
+        outs.append(out)
+        if want_received:
+            body_parts.append(probs[:, :count].reshape(h, g, count).mean(dim=1).sum(dim=0))
+            tail_parts.append(probs[:, count:].reshape(h, g, T).mean(dim=1))
+    out = torch.stack(outs).view(b, 1, hq, d)
+    if not want_received:
+        return out, None
+    return out, (torch.cat(body_parts), torch.stack(tail_parts))
+
+
+def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: float | None, want_received: bool):
+    """bf16 / fp16: CPU matmuls round their logits to the input dtype, which moves greedy tokens
+    away from what SDPA (fp32 accumulation and softmax) computes for a DynamicCache; so these
+    dtypes attend with SDPA over the body and tail laid side by side."""
+    view = store.padded_view(with_values=True, with_modality=False)
+    positions = store.tail_positions[-1:].long()
+    out = varlen_attention(query, view, positions, scaling, store.body_size == 0 and store.tail_all_valid)
+    if not want_received:
+        return out, None
+    received = attention_received(query, view, positions, scaling)  # [B, H, L] padded layout
+    rows = store.batch_size * store.num_kv_heads
+    flat = received.reshape(rows, -1)
+    body = flat[store._rows, store._cols] if store.body_size else None
+    cols = store.lengths[:, None] + torch.arange(store.tail_size, device=flat.device)[None]
+    tail = flat.gather(1, cols).view(store.batch_size, store.num_kv_heads, -1)
+    return out, (body, tail)
 
 
 def attention_probs(

@@ -1,51 +1,183 @@
-"""Decode-speed benchmark: time per generated token, compressed cache vs DynamicCache."""
+"""``vlm-kv bench``: prefill and decode speed, eviction share and memory, compressed caches vs DynamicCache.
+
+For each (cache, context) one run prefills ``context`` tokens, then decodes ``steps`` tokens
+``repeats`` times (greedy, eviction steps included) and reports the median ms per token.
+Memory: the key/value bytes the cache held at its peak during prefill and during decode, and
+the process's peak memory during the run (resident set sampled every 2 ms on CPU;
+``torch.cuda.max_memory_allocated`` on CUDA).
+"""
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg, make_cache
-from vlm_kv.fidelity import text_tokens
+from vlm_kv.report import cache_bytes
+
+DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "data", "frankenstein_letter1.txt")
 
 
-def _cache_bytes(cache) -> int:
-    if hasattr(cache, "kv_bytes"):
-        return cache.kv_bytes()["total"]
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+@dataclass
+class BenchRow:
+    policy: str            # "full" for DynamicCache
+    budget: float | None
+    context: int
+    prefill_chunk: int | None
+    prefill_s: float
+    decode_ms_per_token: float
+    tokens_per_s: float
+    evict_share: float
+    peak_kv_bytes_prefill: int
+    peak_kv_bytes_decode: int
+    peak_memory_bytes: int
+    device: str
+    dtype: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class PeakMemory:
+    """Peak process memory while the block runs: CUDA allocator peak, or resident set on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            self._stop.wait(0.002)
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak = self._rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._rss())
+
+
+def bench_tokens(tokenizer, text_path: str | None, count: int) -> torch.Tensor:
+    """[1, count] token ids; a text shorter than that is read again from its start (timing only
+    needs real-looking text, and the embedded default letter is 1.6k tokens)."""
+    path = text_path or DEFAULT_TEXT
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if not text.strip():
+        raise ValueError(f"text file {path} is empty")
+    ids = tokenizer(text[: count * 12], return_tensors="pt", add_special_tokens=False).input_ids
+    reps = -(-count // ids.shape[1])
+    return ids.repeat(1, reps)[:, :count]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
-def _time_decode(model, cache, ids: torch.Tensor, context: int, steps: int, repeats: int) -> tuple[float, int]:
+def run_one(model, ids: torch.Tensor, context: int, steps: int, repeats: int, factory: Callable,
+            label: str, budget: float | None, prefill_chunk: int | None) -> BenchRow:
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    ids = ids.to(device)
+    cache = factory()
     cache_arg = {cache_kwarg(model): cache}
-    model(input_ids=ids[:, :context], **cache_arg, use_cache=True)
-    token = ids[:, context : context + 1]
-    per_round = []
-    for _ in range(repeats):
+    with PeakMemory(device) as memory:
+        _sync(device)
         start = time.perf_counter()
-        for _ in range(steps):
-            logits = model(input_ids=token, **cache_arg, use_cache=True).logits
-            token = logits[:, -1:].argmax(-1)
-        per_round.append((time.perf_counter() - start) * 1000 / steps)
-    return statistics.median(per_round), _cache_bytes(cache)
+        model(input_ids=ids[:, :context], **cache_arg, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        prefill_s = time.perf_counter() - start
+        peak_prefill = getattr(cache, "peak_kv_bytes", 0) or cache_bytes(cache)
+        evict_before = getattr(cache, "evict_seconds", 0.0)
+        token = ids[:, context : context + 1]
+        per_round, decode_total = [], 0.0
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits = model(input_ids=token, **cache_arg, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            decode_total += elapsed
+            per_round.append(elapsed * 1000 / steps)
+    ms = statistics.median(per_round)
+    evict_share = (getattr(cache, "evict_seconds", 0.0) - evict_before) / decode_total if decode_total else 0.0
+    peak_decode = max(getattr(cache, "peak_kv_bytes", 0), cache_bytes(cache))
+    return BenchRow(
+        policy=label, budget=budget, context=context, prefill_chunk=prefill_chunk, prefill_s=prefill_s,
+        decode_ms_per_token=ms, tokens_per_s=1000.0 / ms, evict_share=evict_share,
+        peak_kv_bytes_prefill=int(peak_prefill), peak_kv_bytes_decode=int(peak_decode),
+        peak_memory_bytes=int(memory.peak), device=device.type, dtype=str(dtype).replace("torch.", ""),
+    )
 
 
-def decode_speed(model, tokenizer, text_path: str, context: int, steps: int, policy: str, budget: float,
-                 offset: int = 0, repeats: int = 3) -> list[dict]:
-    """Median ms per decoded token after a ``context``-token prefill, for both caches.
+def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: list[float],
+          text_path: str | None = None, steps: int = 32, repeats: int = 3,
+          prefill_chunk: int | None = None, progress: bool = True) -> Iterator[BenchRow]:
+    """DynamicCache and every (policy, budget) at every context; yields one row per run."""
+    from tqdm.auto import tqdm
 
-    The compressed cache's time includes its eviction steps (every ``evict_every`` tokens).
-    """
-    ids = text_tokens(tokenizer, text_path, offset, context + 1)
-    rows = []
-    for label, factory in (
-        ("DynamicCache", lambda: DynamicCache(config=model.config)),
-        (f"{policy}@{budget}", lambda: make_cache(model, policy=policy, budget=budget)),
-    ):
-        ms, nbytes = _time_decode(model, factory(), ids, context, steps, repeats)
-        rows.append({"cache": label, "context": context, "steps": steps * repeats, "ms_per_token": ms,
-                     "kv_bytes": nbytes, "threads": torch.get_num_threads()})
-    return rows
+    ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
+    runs = []
+    for context in contexts:
+        runs.append((context, "full", None, lambda: DynamicCache(config=model.config)))
+        for policy in policies:
+            for budget in budgets:
+                runs.append((context, policy, budget,
+                             lambda p=policy, b=budget: make_cache(model, policy=p, budget=b, prefill_chunk=prefill_chunk)))
+    bar = tqdm(runs, desc="bench", disable=not progress, leave=False)
+    for context, label, budget, factory in bar:
+        bar.set_postfix_str(f"{label}@{budget if budget is not None else 1} ctx {context}")
+        chunk = prefill_chunk if label != "full" else None
+        yield run_one(model, ids, context, steps, repeats, factory, label, budget, chunk)
+
+
+def plot_rows(rows: list[BenchRow], path: str) -> None:
+    """Decode tokens/s and peak prefill KV against context, one line per cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = sorted({(r.policy, r.budget) for r in rows}, key=lambda x: (x[0] != "full", x[0], x[1] or 0))
+    for policy, budget in labels:
+        mine = sorted((r for r in rows if (r.policy, r.budget) == (policy, budget)), key=lambda r: r.context)
+        name = "DynamicCache" if policy == "full" else f"{policy} @ {budget}"
+        axes[0].plot([r.context for r in mine], [r.tokens_per_s for r in mine], marker="o", label=name)
+        axes[1].plot([r.context for r in mine], [r.peak_kv_bytes_prefill / 2**20 for r in mine], marker="o", label=name)
+    axes[0].set(xlabel="context (tokens)", ylabel="decode tokens / s", title="decode speed")
+    axes[1].set(xlabel="context (tokens)", ylabel="MiB", title="peak KV bytes during prefill")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

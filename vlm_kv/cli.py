@@ -4,34 +4,86 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
 
-def _load(model: str):
+def _load(model: str, dtype: str = "float32", device: str = "cpu"):
     from vlm_kv.smollm2 import load_model
 
-    return load_model(model)
+    loaded, tok = load_model(model, dtype=getattr(torch, dtype))
+    return loaded.to(device), tok
+
+
+def _check_model(model: str) -> None:
+    """'smollm2' installed, or a folder that holds a model: checked before anything loads."""
+    from vlm_kv.smollm2 import ModelFileMissing, smollm2_dir
+
+    if model == "smollm2":
+        smollm2_dir()
+        return
+    if not os.path.isdir(model):
+        raise ModelFileMissing(f"model folder not found: {model} (use 'smollm2' or a local model folder)")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ModelFileMissing(f"no model in {model}: it has no config.json (use 'smollm2' or a saved transformers model)")
+
+
+def _check_text(path: str | None) -> None:
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"text file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"text file {path} is empty")
+
+
+def _check_policy(policy: str, gates: str | None) -> str:
+    from vlm_kv.policies import normalize_policy_name
+
+    key = normalize_policy_name(policy)
+    if gates:
+        from vlm_kv.gates.io import load_config
+
+        load_config(gates)  # a missing or corrupt gate folder fails here, not after the model loads
+    return key
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+
+
+def _csv(kind, text: str) -> list:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"empty list: {text!r}")
+    return [kind(t) for t in items]
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from vlm_kv.budget import Budget
     from vlm_kv.fidelity import fidelity
 
-    budget = Budget.parse(args.budget).as_number()  # refuse a bad budget before loading the model
-    model, tok = _load(args.model)
+    budget = Budget.parse(args.budget).as_number()
+    policy = _check_policy(args.policy, args.gates)
+    _check_text(args.text)
+    _check_model(args.model)
+    model, tok = _load(args.model, args.dtype)
     kwargs = {}
     if args.evict_every is not None:
         kwargs["evict_every"] = args.evict_every
-    if getattr(args, "gates", None):
+    if args.gates:
         kwargs["gates"] = args.gates
+    if args.prefill_chunk is not None:
+        kwargs["prefill_chunk"] = args.prefill_chunk
     (result,) = fidelity(
-        model, tok, args.text, args.context, args.continuation, [(args.policy, budget)],
+        model, tok, args.text, args.context, args.continuation, [(policy, budget)],
         offset=args.offset, progress=not args.json, **kwargs,
     )
     if args.json:
-        print(json.dumps(result.json_fields()))
+        print(json.dumps(dict(result.json_fields(), prefill_chunk=args.prefill_chunk, dtype=args.dtype)))
     else:
         r = result
         print(f"policy {r.policy}  budget {r.budget}  context {r.context}  continuation {r.continuation}")
@@ -42,24 +94,51 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from vlm_kv.bench import decode_speed
+    from vlm_kv.bench import bench, plot_rows
+    from vlm_kv.budget import Budget
 
-    model, tok = _load(args.model)
-    rows = decode_speed(model, tok, args.text, args.context, args.steps, args.policy, float(args.budget),
-                        offset=args.offset, repeats=args.repeats)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        for r in rows:
-            print(f"{r['cache']:>24}: {r['ms_per_token']:8.2f} ms/token   KV {r['kv_bytes']:>12,} bytes")
+    contexts = _csv(int, args.contexts)
+    policies = [_check_policy(p, None) for p in _csv(str, args.policies)]
+    budgets = [Budget.parse(b).as_number() for b in _csv(str, args.budgets)]
+    if any(c < 2 for c in contexts):
+        raise ValueError(f"--contexts must be >= 2 tokens, got {args.contexts}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    _check_text(args.text)
+    _check_device(args.device)
+    _check_model(args.model)
+    if not args.json:
+        print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
+    model, tok = _load(args.model, args.dtype, args.device)
+    rows = []
+    if not args.json:
+        print(f"{'cache':>22} {'context':>7} {'prefill s':>9} {'ms/token':>9} {'tok/s':>7} {'evict':>6} "
+              f"{'KV prefill MiB':>14} {'KV decode MiB':>13} {'peak mem MiB':>12}")
+    for row in bench(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
+                     args.prefill_chunk, progress=not args.json):
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row.as_dict()), flush=True)
+        else:
+            name = "DynamicCache" if row.policy == "full" else f"{row.policy}@{row.budget}"
+            print(f"{name:>22} {row.context:>7} {row.prefill_s:>9.2f} {row.decode_ms_per_token:>9.2f} "
+                  f"{row.tokens_per_s:>7.1f} {row.evict_share:>6.1%} {row.peak_kv_bytes_prefill / 2**20:>14.2f} "
+                  f"{row.peak_kv_bytes_decode / 2**20:>13.2f} {row.peak_memory_bytes / 2**20:>12.1f}", flush=True)
+    if args.plot:
+        plot_rows(rows, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from vlm_kv.budget import Budget
     from vlm_kv.demo import run_demo
 
-    return run_demo(policy=args.policy, budget=float(args.budget), max_new_tokens=args.max_new_tokens,
-                    gates=getattr(args, "gates", None))
+    budget = Budget.parse(args.budget).as_number()
+    policy = _check_policy(args.policy, args.gates)
+    _check_model("smollm2")
+    return run_demo(policy=policy, budget=budget, max_new_tokens=args.max_new_tokens, gates=args.gates)
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -95,16 +174,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="fraction of the full cache in (0, 1], or an int: tokens per KV head")
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=cmd_fidelity)
 
-    p = sub.add_parser("bench", help="decode time per token: compressed cache vs DynamicCache")
-    _add_text_args(p, 4096)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--policy", default="snapkv")
-    p.add_argument("--budget", default="0.1")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("bench", help="prefill/decode speed and memory: compressed caches vs DynamicCache")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (the real SmolLM2-135M-Instruct) or a local model folder")
+    p.add_argument("--text", default=None, help="plain UTF-8 text (default: the embedded letter, repeated to length)")
+    p.add_argument("--contexts", default="2048,4096,8192", help="comma-separated prefill lengths")
+    p.add_argument("--policies", default="snapkv,dbtrimkv", help="comma-separated policies (DynamicCache always runs too)")
+    p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of N tokens, evicting between chunks")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per repeat")
+    p.add_argument("--repeats", type=int, default=3, help="decode repeats (the median is reported)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--plot", default=None, help="write a PNG: tokens/s and peak prefill KV vs context")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("policies", help="list the eviction policies")

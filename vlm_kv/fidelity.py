@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg, make_cache
+from vlm_kv.report import cache_bytes
 
 
 @dataclass
@@ -46,6 +47,8 @@ def text_tokens(tokenizer, path: str, offset: int, count: int) -> torch.Tensor:
     """``count`` token ids of the text file starting at character ``offset``; [1, count]."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
+    if not text:
+        raise ValueError(f"text file {path} is empty")
     if offset >= len(text):
         raise ValueError(f"--offset {offset} is past the end of {path} ({len(text)} characters)")
     # Tokenize a generous slice only: whole novels take seconds to tokenize.
@@ -61,8 +64,7 @@ def run_reference(model, ids: torch.Tensor, context: int, progress: bool = False
     """Full-cache log-probs for each fed token ([M, V]) and the full cache's bytes at the end."""
     cache = DynamicCache(config=model.config)
     logps, _ = _feed(model, cache, ids, context, progress, "full cache")
-    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    return logps, nbytes
+    return logps, cache_bytes(cache)
 
 
 def _feed(model, cache, ids, context, progress, label) -> tuple[torch.Tensor, float]:
@@ -100,10 +102,8 @@ def measure(
     top1 = (logps.argmax(-1) == ref_logps.argmax(-1)).float()
     nll = -logps.gather(1, targets[:, None]).squeeze(1)
     full_nll = -ref_logps.gather(1, targets[:, None]).squeeze(1)
-    if hasattr(cache, "kv_bytes"):
-        held, peak = cache.kv_bytes()["total"], cache.max_kv_bytes
-    else:
-        held = peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    held = cache_bytes(cache)
+    peak = getattr(cache, "max_kv_bytes", held)
     return FidelityResult(
         policy=policy,
         budget=budget,

@@ -51,6 +51,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32):
 
     if not os.path.isdir(name_or_path):
         raise ModelFileMissing(f"model folder not found: {name_or_path} (use 'smollm2' or a local path)")
+    if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise ModelFileMissing(f"no model in {name_or_path}: it has no config.json (use 'smollm2' or a saved transformers model)")
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     model.eval()

@@ -1,17 +1,19 @@
-"""Per-layer KV storage with per-head variable lengths.
+"""Per-layer KV storage with per-head variable lengths, persistent between eviction steps.
 
 Between two eviction steps every KV head receives exactly the same new tokens, so a layer's
 store has two parts:
 
 * the *body*: what past eviction steps kept. Heads hold different numbers of entries, laid end
-  to end in one flat ``[N, head_dim]`` tensor (row ``b * H + h`` owns a contiguous run), with the
-  original position, modality and policy state of every entry beside it;
-* the *tail*: tokens seen since the last eviction step, dense ``[B, H, T, head_dim]`` because it
-  is the same length for every head.
+  to end in one flat ``[N, head_dim]`` tensor sorted by row (row ``b * H + h`` owns the run
+  ``row_starts[r] : row_starts[r] + lengths[r]``), with each entry's original position, modality
+  and policy state beside it. It is written once per eviction step, to its exact size;
+* the *tail*: tokens seen since the last eviction step, dense ``[B, H, T, head_dim]`` because
+  it is the same length for every head. It lives in a buffer with spare capacity, so a decode
+  step writes its token in place (amortized O(1)); an eviction step releases the buffer.
 
-An eviction step merges both, keeps what the policy chose and writes a new flat body, so evicted
-entries leave memory. ``padded_view`` lays body and tail side by side per head, left aligned,
-for attention and scoring: a transient working copy, never what is kept.
+Attention reads body and tail where they lie (``vlm_kv.attention``): no padded copy is built
+on a decode step. ``padded_view`` lays body and tail side by side per head, left aligned; it is
+a transient working copy for eviction steps and multi-token prefill, never what is kept.
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ from dataclasses import dataclass, field
 import torch
 
 from vlm_kv.models.adapters import MODALITIES
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of storage the tensors hold (their whole storage, not just the viewed part)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen and key != 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
 
 
 @dataclass
@@ -54,6 +71,7 @@ class VarlenKVStore:
         dtype: torch.dtype,
         device: torch.device,
         state_names: tuple[str, ...] = (),
+        tail_reserve: int = 16,
     ) -> None:
         self.batch_size = batch_size
         self.num_kv_heads = num_kv_heads
@@ -61,6 +79,8 @@ class VarlenKVStore:
         self.dtype = dtype
         self.device = device
         self.state_names = tuple(state_names)
+        # decode steps grow the tail buffer by this many tokens at a time (the eviction interval)
+        self.tail_reserve = max(1, tail_reserve)
         rows = batch_size * num_kv_heads
         self.body_keys = torch.empty(0, head_dim, dtype=dtype, device=device)
         self.body_values = torch.empty(0, head_dim, dtype=dtype, device=device)
@@ -68,16 +88,64 @@ class VarlenKVStore:
         self.body_modality = torch.empty(0, dtype=torch.uint8, device=device)
         self.body_state = {n: torch.empty(0, dtype=torch.float32, device=device) for n in self.state_names}
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        self._rows = torch.empty(0, dtype=torch.long, device=device)
-        self._cols = torch.empty(0, dtype=torch.long, device=device)
-        self.tail_keys = torch.empty(batch_size, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.tail_values = torch.empty_like(self.tail_keys)
-        self.tail_positions = torch.empty(0, dtype=torch.int32, device=device)
-        self.tail_modality = torch.empty(batch_size, 0, dtype=torch.uint8, device=device)
-        self.tail_valid = torch.empty(batch_size, 0, dtype=torch.bool, device=device)
-        self.tail_state = {
-            n: torch.empty(batch_size, num_kv_heads, 0, dtype=torch.float32, device=device) for n in self.state_names
-        }
+        self._set_layout(self.lengths)
+        self.tail_size = 0
+        self._release_tail()
+
+    # ------------------------------------------------------------------ layout
+    def _set_layout(self, lengths: torch.Tensor) -> None:
+        """Row bookkeeping derived from the per-row lengths of a freshly written body."""
+        rows = lengths.numel()
+        self.lengths = lengths
+        self.row_starts = torch.cumsum(lengths, 0) - lengths
+        self._rows = torch.repeat_interleave(torch.arange(rows, device=self.device), lengths)
+        self._cols = torch.arange(self._rows.numel(), device=self.device) - self.row_starts[self._rows]
+        lens = lengths.tolist()
+        self.max_length = max(lens) if lens else 0
+        # Uniform allocations give every head the same length: the body is then a dense
+        # [B, H, L, D] block and attention reads it as a view.
+        self.uniform = len(set(lens)) <= 1
+        self._batch_spans = [
+            (int(self.row_starts[b * self.num_kv_heads]) if lens else 0,
+             sum(lens[b * self.num_kv_heads:(b + 1) * self.num_kv_heads]))
+            for b in range(self.batch_size)
+        ]
+        # local kv-head index of every body entry (ragged attention masks with it)
+        self.entry_head = (self._rows % self.num_kv_heads).to(torch.int16) if not self.uniform else None
+
+    def _release_tail(self) -> None:
+        B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+        dev = self.device
+        self._tail_k = torch.empty(B, H, 0, D, dtype=self.dtype, device=dev)
+        self._tail_v = torch.empty(B, H, 0, D, dtype=self.dtype, device=dev)
+        self._tail_pos = torch.empty(0, dtype=torch.int32, device=dev)
+        self._tail_mod = torch.empty(B, 0, dtype=torch.uint8, device=dev)
+        self._tail_valid = torch.empty(B, 0, dtype=torch.bool, device=dev)
+        self._tail_state = {n: torch.empty(B, H, 0, dtype=torch.float32, device=dev) for n in self.state_names}
+        self.tail_size = 0
+        self.tail_all_valid = True
+
+    def _grow_tail(self, needed: int, reserve: bool) -> None:
+        cap = self._tail_k.shape[2]
+        if needed <= cap:
+            return
+        # decode steps reserve room up to the next eviction step; a prefill takes what it needs
+        new_cap = max(needed, self.tail_size + self.tail_reserve) if reserve else needed
+        T = self.tail_size
+
+        def grow(t: torch.Tensor, dim: int, fill=0) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = new_cap
+            out = torch.full(shape, fill, dtype=t.dtype, device=t.device) if fill else torch.zeros(shape, dtype=t.dtype, device=t.device)
+            out.narrow(dim, 0, T).copy_(t.narrow(dim, 0, T))
+            return out
+
+        self._tail_k = grow(self._tail_k, 2)
+        self._tail_v = grow(self._tail_v, 2)
+        self._tail_pos = grow(self._tail_pos, 0)
+        self._tail_mod = grow(self._tail_mod, 1)
+        self._tail_valid = grow(self._tail_valid, 1)
+        self._tail_state = {n: grow(t, 2) for n, t in self._tail_state.items()}
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -85,8 +153,32 @@ class VarlenKVStore:
         return self.body_keys.shape[0]
 
     @property
-    def tail_size(self) -> int:
-        return self.tail_keys.shape[2]
+    def tail_keys(self) -> torch.Tensor:
+        return self._tail_k[:, :, : self.tail_size]
+
+    @property
+    def tail_values(self) -> torch.Tensor:
+        return self._tail_v[:, :, : self.tail_size]
+
+    @property
+    def tail_positions(self) -> torch.Tensor:
+        return self._tail_pos[: self.tail_size]
+
+    @property
+    def tail_modality(self) -> torch.Tensor:
+        return self._tail_mod[:, : self.tail_size]
+
+    @property
+    def tail_valid(self) -> torch.Tensor:
+        return self._tail_valid[:, : self.tail_size]
+
+    @property
+    def tail_state(self) -> dict[str, torch.Tensor]:
+        return {n: t[..., : self.tail_size] for n, t in self._tail_state.items()}
+
+    @property
+    def tail_capacity(self) -> int:
+        return self._tail_k.shape[2]
 
     @property
     def bytes_per_entry(self) -> int:
@@ -96,15 +188,21 @@ class VarlenKVStore:
         return self.body_size + self.batch_size * self.num_kv_heads * self.tail_size
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values (body and tail)."""
-        return sum(t.numel() * t.element_size() for t in (self.body_keys, self.body_values, self.tail_keys, self.tail_values))
+        """Bytes allocated for keys and values: the body and the whole tail buffer."""
+        return tensor_bytes(self.body_keys, self.body_values, self._tail_k, self._tail_v)
+
+    def unused_bytes(self) -> int:
+        """Allocated key/value bytes that hold no entry yet (the tail buffer's spare capacity)."""
+        spare = self.tail_capacity - self.tail_size
+        return spare * self.batch_size * self.num_kv_heads * self.bytes_per_entry
 
     def meta_bytes(self) -> int:
-        """Bytes of positions, modality, policy state and index bookkeeping."""
-        tensors = [self.body_positions, self.body_modality, self.lengths, self._rows, self._cols,
-                   self.tail_positions, self.tail_modality, self.tail_valid]
-        tensors += list(self.body_state.values()) + list(self.tail_state.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of positions, modality, policy state and row bookkeeping."""
+        return tensor_bytes(
+            self.body_positions, self.body_modality, self.lengths, self.row_starts, self._rows, self._cols,
+            self.entry_head, self._tail_pos, self._tail_mod, self._tail_valid,
+            *self.body_state.values(), *self._tail_state.values(),
+        )
 
     def modality_counts(self) -> torch.Tensor:
         """Entries held per modality code (pads in the tail count as text: they use memory too)."""
@@ -127,21 +225,25 @@ class VarlenKVStore:
         modality: torch.Tensor,
         valid: torch.Tensor,
     ) -> None:
-        """Add new tokens to the tail. keys/values: [B, H, Q, D]; positions: [Q]; modality/valid: [B, Q]."""
+        """Add new tokens to the tail, in place. keys/values: [B, H, Q, D]; positions: [Q]; modality/valid: [B, Q]."""
         q = keys.shape[2]
-        self.tail_keys = torch.cat([self.tail_keys, keys.to(self.dtype)], dim=2)
-        self.tail_values = torch.cat([self.tail_values, values.to(self.dtype)], dim=2)
-        self.tail_positions = torch.cat([self.tail_positions, positions.to(self.device, torch.int32)])
-        self.tail_modality = torch.cat([self.tail_modality, modality.to(self.device, torch.uint8)], dim=1)
-        self.tail_valid = torch.cat([self.tail_valid, valid.to(self.device, torch.bool)], dim=1)
-        for name in self.state_names:
-            zeros = torch.zeros(self.batch_size, self.num_kv_heads, q, dtype=torch.float32, device=self.device)
-            self.tail_state[name] = torch.cat([self.tail_state[name], zeros], dim=2)
+        T = self.tail_size
+        self._grow_tail(T + q, reserve=q == 1)
+        self._tail_k[:, :, T : T + q].copy_(keys)
+        self._tail_v[:, :, T : T + q].copy_(values)
+        self._tail_pos[T : T + q].copy_(positions)
+        self._tail_mod[:, T : T + q].copy_(modality)
+        self._tail_valid[:, T : T + q].copy_(valid)
+        for t in self._tail_state.values():
+            t[..., T : T + q].zero_()
+        self.tail_size = T + q
+        if self.tail_all_valid and q:
+            self.tail_all_valid = bool(valid.all())
 
     def set_tail_state(self, name: str, values: torch.Tensor) -> None:
         """Overwrite the state of the newest ``values.shape[-1]`` tail entries ([B, H, Q])."""
         q = values.shape[-1]
-        self.tail_state[name][..., -q:] = values.to(torch.float32)
+        self._tail_state[name][..., self.tail_size - q : self.tail_size].copy_(values)
 
     def add_state(self, name: str, padded: torch.Tensor) -> None:
         """Add a padded [B, H, L] quantity (laid out like ``padded_view``) to the entries' state."""
@@ -151,10 +253,26 @@ class VarlenKVStore:
             self.body_state[name] += flat[self._rows, self._cols]
         if self.tail_size:
             cols = self.lengths[:, None] + torch.arange(self.tail_size, device=self.device)[None]
-            tail = flat.gather(1, cols)
-            self.tail_state[name] += tail.view(self.batch_size, self.num_kv_heads, -1)
+            self._tail_state[name][..., : self.tail_size] += flat.gather(1, cols).view(self.batch_size, self.num_kv_heads, -1)
+
+    def add_state_split(self, name: str, body: torch.Tensor | None, tail: torch.Tensor | None) -> None:
+        """Add a quantity given where the entries lie: ``body`` [N] in body order, ``tail`` [B, H, T]."""
+        if body is not None and self.body_size:
+            self.body_state[name] += body
+        if tail is not None and self.tail_size:
+            self._tail_state[name][..., : self.tail_size] += tail
 
     # ------------------------------------------------------------------ views
+    def body_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Body keys and values as [B, H, L, D] views; only when every head holds the same length."""
+        B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+        L = self.max_length
+        return self.body_keys.view(B, H, L, D), self.body_values.view(B, H, L, D)
+
+    def batch_span(self, b: int) -> tuple[int, int]:
+        """(start, count) of batch row ``b``'s entries in the flat body."""
+        return self._batch_spans[b]
+
     def padded_view(
         self, with_values: bool = True, states: tuple[str, ...] = (), with_modality: bool = True
     ) -> PaddedView:
@@ -168,6 +286,7 @@ class VarlenKVStore:
         tail_valid = self.tail_valid[:, None, :].expand(B, H, T)
         tail_pos = self.tail_positions.long()[None, None, :].expand(B, H, T)
         tail_mod = self.tail_modality[:, None, :].expand(B, H, T)
+        tail_state = self.tail_state
         if self.body_size == 0:
             return PaddedView(
                 keys=self.tail_keys,
@@ -175,10 +294,10 @@ class VarlenKVStore:
                 positions=tail_pos,
                 modality=tail_mod,
                 valid=tail_valid,
-                state={n: self.tail_state[n] for n in states},
+                state={n: tail_state[n] for n in states},
             )
         rows = B * H
-        longest = int(self.lengths.max()) + T
+        longest = self.max_length + T
         tail_cols = self.lengths[:, None] + torch.arange(T, device=dev)[None]
         row_ids = torch.arange(rows, device=dev)[:, None].expand(rows, T)
 
@@ -196,37 +315,70 @@ class VarlenKVStore:
         valid = lay(ones, tail_valid, 0, torch.bool)
         positions = lay(self.body_positions.long(), tail_pos, -1, torch.long)
         modality = lay(self.body_modality, tail_mod, 0, torch.uint8) if with_modality else valid[..., :0]
-        state = {n: lay(self.body_state[n], self.tail_state[n], 0, torch.float32) for n in states}
+        state = {n: lay(self.body_state[n], tail_state[n], 0, torch.float32) for n in states}
         return PaddedView(keys, values, positions, modality, valid, state)
 
     # -------------------------------------------------------------- eviction
     def compact(self, keep: torch.Tensor, view: PaddedView | None = None) -> None:
-        """Keep the entries marked in ``keep`` ([B, H, L], laid out like ``padded_view``) and free the rest."""
-        if view is None:
-            view = self.padded_view(states=self.state_names)
-        B, H = self.batch_size, self.num_kv_heads
+        """Keep the entries marked in ``keep`` ([B, H, L], laid out like ``padded_view``) and free the rest.
+
+        Reads the kept entries from where they lie (body and tail), so no padded copy of the
+        values is needed; ``view`` is accepted for callers that have one but is not required.
+        """
+        B, H, T = self.batch_size, self.num_kv_heads, self.tail_size
         rows = B * H
-        keep = (keep & view.valid).reshape(rows, -1)
-        flat_keep = keep.reshape(-1)
+        L = keep.shape[-1]
+        keep = keep.reshape(rows, L)
+        body_keep = keep[self._rows, self._cols] if self.body_size else keep.new_zeros(0)
+        if T:
+            tail_cols = self.lengths[:, None] + torch.arange(T, device=self.device)[None]
+            tail_keep = keep.gather(1, tail_cols) & self.tail_valid.repeat_interleave(H, dim=0)
+        else:
+            tail_keep = keep.new_zeros(rows, 0)
+        new_lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        if self.body_size:
+            new_lengths.index_add_(0, self._rows, body_keep.long())
+        new_lengths += tail_keep.sum(dim=1)
+        # Order of the new body: by row, body entries before tail entries (positions ascend).
+        body_idx = torch.nonzero(body_keep).flatten()
+        tail_r, tail_t = torch.nonzero(tail_keep, as_tuple=True)
+        src_row = torch.cat([self._rows[body_idx], tail_r])
+        src_order = torch.cat([self._cols[body_idx], self.lengths[tail_r] + tail_t])
+        order = torch.argsort(src_row * (self.max_length + T + 1) + src_order)
 
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape((rows * view.length,) + tuple(t.shape[3:]))[flat_keep].contiguous()
+        def merge(body: torch.Tensor, tail_rows_t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([body[body_idx], tail_rows_t])[order].contiguous()
 
-        self.body_keys = pick(view.keys)
-        self.body_values = pick(view.values)
-        self.body_positions = pick(view.positions).to(torch.int32)
-        self.body_modality = pick(view.modality)
+        tk = self.tail_keys.reshape(rows, T, self.head_dim)
+        tv = self.tail_values.reshape(rows, T, self.head_dim)
+        self.body_keys = merge(self.body_keys, tk[tail_r, tail_t])
+        self.body_values = merge(self.body_values, tv[tail_r, tail_t])
+        batch_of = tail_r // H
+        self.body_positions = merge(self.body_positions, self.tail_positions[tail_t])
+        self.body_modality = merge(self.body_modality, self.tail_modality[batch_of, tail_t])
+        tail_state = self.tail_state
         self.body_state = {
-            n: pick(view.state[n]) if n in view.state else torch.zeros(self.body_keys.shape[0], device=self.device)
-            for n in self.state_names
+            n: merge(self.body_state[n], tail_state[n].reshape(rows, T)[tail_r, tail_t]) for n in self.state_names
         }
-        self.lengths = keep.sum(dim=1)
-        self._rows = torch.repeat_interleave(torch.arange(rows, device=self.device), self.lengths)
-        starts = torch.cumsum(self.lengths, 0) - self.lengths
-        self._cols = torch.arange(self.body_size, device=self.device) - starts[self._rows]
-        self.tail_keys = self.tail_keys[:, :, :0].contiguous()
-        self.tail_values = self.tail_values[:, :, :0].contiguous()
-        self.tail_positions = self.tail_positions[:0]
-        self.tail_modality = self.tail_modality[:, :0]
-        self.tail_valid = self.tail_valid[:, :0]
-        self.tail_state = {n: t[..., :0] for n, t in self.tail_state.items()}
+        self._set_layout(new_lengths)
+        self._release_tail()
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every sequence's entries ``repeats`` times (row b -> rows b*repeats .. b*repeats+repeats-1)."""
+        B, H, T = self.batch_size, self.num_kv_heads, self.tail_size
+        order = torch.arange(B * H, device=self.device).view(B, 1, H).expand(B, repeats, H).reshape(-1)
+        starts, lens = self.row_starts[order], self.lengths[order]
+        idx = torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens) + torch.arange(int(lens.sum()), device=self.device)
+        self.body_keys = self.body_keys[idx]
+        self.body_values = self.body_values[idx]
+        self.body_positions = self.body_positions[idx]
+        self.body_modality = self.body_modality[idx]
+        self.body_state = {n: t[idx] for n, t in self.body_state.items()}
+        self.batch_size = B * repeats
+        self._set_layout(lens.clone())
+        self._tail_k = self._tail_k.repeat_interleave(repeats, dim=0)
+        self._tail_v = self._tail_v.repeat_interleave(repeats, dim=0)
+        self._tail_mod = self._tail_mod.repeat_interleave(repeats, dim=0)
+        self._tail_valid = self._tail_valid.repeat_interleave(repeats, dim=0)
+        self._tail_state = {n: t.repeat_interleave(repeats, dim=0) for n, t in self._tail_state.items()}
+        self.tail_size = T

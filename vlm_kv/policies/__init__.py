@@ -18,9 +18,21 @@ from vlm_kv.policies.tova import TOVA
 
 @dataclass(frozen=True)
 class PolicySpec:
+    """Everything the library needs to know about a policy, in one place.
+
+    ``gate_kind``: the kind of retention gates the policy scores with (None: no gates). Sinks
+    and the protected recent window are properties of the scorer (``Scorer.sinks``,
+    ``Scorer.protected_window``).
+    """
+
     scorer: Callable[..., Scorer]
     allocation: Callable[..., Allocation]
     description: str
+    gate_kind: str | None = None
+
+    @property
+    def needs_gates(self) -> bool:
+        return self.gate_kind is not None
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -32,17 +44,35 @@ POLICIES: dict[str, PolicySpec] = {
     "adakv": PolicySpec(SnapKV, HeadAdaptive, "SnapKV scores, heads of a layer share its budget"),
     "knorm": PolicySpec(KNorm, Uniform, "smallest key norms"),
     "random": PolicySpec(RandomScorer, Uniform, "random entries (a floor)"),
-    "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head"),
-    "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads"),
+    "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
+    "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
+                           gate_kind="dbtrimkv"),
 }
 
-GATED_POLICIES = ("trimkv", "dbtrimkv")
-
 FULL_POLICY = "full"
+
+GATED_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.needs_gates)
 
 
 class UnknownPolicyError(ValueError):
     pass
+
+
+def normalize_policy_name(name: str) -> str:
+    """The registry key for a user-given policy name: "DBTrimKV" -> "dbtrimkv", "Streaming-LLM" -> "streaming_llm"."""
+    if not isinstance(name, str):
+        raise UnknownPolicyError(f"policy must be a name, got {type(name).__name__}")
+    key = name.strip().lower().replace("-", "_")
+    if key != FULL_POLICY and key not in POLICIES:
+        raise UnknownPolicyError(f"unknown policy {name!r}; known: {', '.join([FULL_POLICY, *POLICIES])}")
+    return key
+
+
+def policy_spec(name: str) -> PolicySpec:
+    key = normalize_policy_name(name)
+    if key == FULL_POLICY:
+        raise UnknownPolicyError("policy 'full' is the uncompressed DynamicCache; it has no scorer")
+    return POLICIES[key]
 
 
 def build_policy(
@@ -52,12 +82,7 @@ def build_policy(
     allocation_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Scorer, Allocation]:
     """Scorer and allocation for a policy name; ``allocation`` overrides the policy's own."""
-    key = name.lower().replace("-", "_")
-    if key not in POLICIES:
-        raise UnknownPolicyError(
-            f"unknown policy {name!r}; known: {', '.join([FULL_POLICY, *POLICIES])}"
-        )
-    spec = POLICIES[key]
+    spec = policy_spec(name)
     scorer = spec.scorer(**(scorer_kwargs or {}))
     if allocation is None:
         alloc = spec.allocation(**(allocation_kwargs or {}))
@@ -69,7 +94,7 @@ def build_policy(
 
 
 __all__ = [
-    "POLICIES", "GATED_POLICIES", "FULL_POLICY", "RetentionScorer", "PolicySpec", "build_policy", "UnknownPolicyError", "Scorer", "ScoreContext",
+    "POLICIES", "GATED_POLICIES", "FULL_POLICY", "normalize_policy_name", "policy_spec", "RetentionScorer", "PolicySpec", "build_policy", "UnknownPolicyError", "Scorer", "ScoreContext",
     "H2O", "KNorm", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA",
     "Uniform", "Pyramid", "HeadAdaptive", "GlobalTopK",
 ]

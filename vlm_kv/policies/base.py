@@ -58,26 +58,49 @@ class Scorer:
 
     def observe(self, store, query: torch.Tensor, view: PaddedView, query_positions: torch.Tensor,
                 scaling: float | None) -> None:
-        """Called after every attention call of a layer (prefill and decode)."""
+        """Called after every attention call of a layer that has several queries (prefill), and
+        after decode steps too unless the scorer takes ``observe_received`` instead."""
+
+    #: the scorer accumulates the attention entries receive at decode steps; the decode path
+    #: then hands it over with ``observe_received`` (computed during attention, no extra pass)
+    uses_received_attention: ClassVar[bool] = False
+
+    def observe_received(self, store, body: torch.Tensor | None, tail: torch.Tensor) -> None:
+        """Attention the entries received from one decode query: body [N] (body order), tail [B, H, T]."""
+
+    @property
+    def observes(self) -> bool:
+        return type(self).observe is not Scorer.observe
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         raise NotImplementedError
 
 
+def protected_counts(scorer: "Scorer", capacity: int) -> tuple[int, int]:
+    """(sinks, recent window) a scorer protects within ``capacity`` tokens per head.
+
+    A policy's protected zone never outgrows the budget: sinks come first, and the recent
+    window shrinks to what is left, so a fraction budget works at every prompt length.
+    """
+    sinks = min(scorer.sinks, max(capacity, 0))
+    window = min(scorer.protected_window(capacity), max(capacity - sinks, 0))
+    return sinks, window
+
+
 def protect(
     scores: torch.Tensor,
     view: PaddedView,
-    sinks: int,
+    sinks: "int | torch.Tensor",
     windows: torch.Tensor,
     first_positions: torch.Tensor,
     seen: int,
 ) -> torch.Tensor:
-    """Sinks and recent windows to +inf, empty slots to -inf. windows/first_positions: [B]."""
+    """Sinks and recent windows to +inf, empty slots to -inf. sinks (int or [B]), windows, first_positions: [B]."""
     pos = view.positions
     scores = scores.float()
-    protected = torch.zeros_like(view.valid)
-    if sinks > 0:
-        protected |= (pos - first_positions.view(-1, 1, 1)) < sinks
+    b = pos.shape[0]
+    sinks = torch.as_tensor(sinks, device=pos.device).expand(b)
+    protected = (pos - first_positions.view(-1, 1, 1)) < sinks.view(-1, 1, 1)
     protected |= pos >= (seen - windows).view(-1, 1, 1)
     scores = torch.where(protected, torch.full_like(scores, float("inf")), scores)
     return scores.masked_fill(~view.valid, float("-inf"))

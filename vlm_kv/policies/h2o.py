@@ -25,8 +25,13 @@ class H2O(Scorer):
     def protected_window(self, capacity: int) -> int:
         return int(self.recent_ratio * capacity)
 
+    uses_received_attention: ClassVar[bool] = True
+
     def observe(self, store, query, view, query_positions, scaling) -> None:
         store.add_state("attn_sum", attention_received(query, view, query_positions, scaling))
+
+    def observe_received(self, store, body, tail) -> None:
+        store.add_state_split("attn_sum", body, tail)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return ctx.view.state["attn_sum"]

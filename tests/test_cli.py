@@ -1,0 +1,77 @@
+"""The command line checks everything it can before loading a model, and says what is wrong in one line."""
+import json
+
+import pytest
+
+import vlm_kv.cli as cli
+from vlm_kv.cli import main
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+
+
+def _fidelity(text, *extra):
+    return ["fidelity", "--model", "smollm2", "--text", str(text), "--context", "64", "--continuation", "4", *extra]
+
+
+def test_unknown_policy_fails_before_the_model_loads(shared_data, capsys, no_model_load):
+    assert main(_fidelity(shared_data / "text" / "pg84.txt", "--policy", "magic", "--budget", "0.5")) == 2
+    assert "unknown policy 'magic'" in capsys.readouterr().err
+
+
+def test_missing_and_empty_text_files(tmp_path, capsys, no_model_load):
+    assert main(_fidelity(tmp_path / "nope.txt", "--policy", "snapkv", "--budget", "0.5")) == 2
+    assert "text file not found" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(_fidelity(empty, "--policy", "snapkv", "--budget", "0.5")) == 2
+    assert f"text file {empty} is empty" in capsys.readouterr().err
+
+
+def test_missing_or_corrupt_gates_fail_before_the_model_loads(shared_data, tmp_path, capsys, no_model_load):
+    text = shared_data / "text" / "pg84.txt"
+    assert main(_fidelity(text, "--policy", "dbtrimkv", "--budget", "0.5", "--gates", str(tmp_path / "none"))) == 2
+    assert "gate" in capsys.readouterr().err.lower()
+
+
+def test_empty_model_folder_says_no_model(shared_data, tmp_path, capsys, no_model_load):
+    args = ["fidelity", "--model", str(tmp_path), "--text", str(shared_data / "text" / "pg84.txt"),
+            "--context", "64", "--continuation", "4", "--policy", "snapkv", "--budget", "0.5"]
+    assert main(args) == 2
+    assert f"no model in {tmp_path}" in capsys.readouterr().err
+
+
+def test_bench_checks_budgets_and_policies_before_timing(capsys, no_model_load):
+    assert main(["bench", "--contexts", "64", "--budgets", "1.5"]) == 2
+    assert "budget" in capsys.readouterr().err
+    assert main(["bench", "--contexts", "64", "--policies", "snapkv,nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_demo_checks_budget_and_policy_first(capsys, no_model_load):
+    assert main(["demo", "--budget", "1.5"]) == 2
+    assert main(["demo", "--policy", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "budget" in err and "unknown policy" in err
+
+
+def test_bench_json_rows_have_the_documented_keys(capsys, monkeypatch, smollm2):
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
+    code = main(["bench", "--contexts", "96", "--policies", "snapkv", "--budgets", "0.5", "--steps", "3",
+                 "--repeats", "1", "--prefill-chunk", "48", "--json"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["policy"] for r in rows] == ["full", "snapkv"]
+    keys = {"policy", "budget", "context", "prefill_chunk", "prefill_s", "decode_ms_per_token", "tokens_per_s",
+            "evict_share", "peak_kv_bytes_prefill", "peak_kv_bytes_decode", "peak_memory_bytes", "device", "dtype"}
+    assert all(set(r) == keys for r in rows)
+    full, snap = rows
+    assert snap["prefill_chunk"] == 48 and full["prefill_chunk"] is None
+    # chunked prefill holds about budget + chunk, far below the full cache's 96 tokens
+    assert snap["peak_kv_bytes_prefill"] < full["peak_kv_bytes_prefill"]
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in rows)

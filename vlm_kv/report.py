@@ -1,0 +1,103 @@
+"""What a compressed cache holds, in bytes and in entries.
+
+``kv_bytes`` counts storage as allocated (a tensor's whole storage, spare capacity included):
+``total`` is the keys and values, the quantity the budget bounds; ``held`` adds everything
+else the cache keeps alive (entry metadata, remembered queries, gate outputs waiting for their
+layer), so that it is the whole truth about the cache's memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vlm_kv.models.adapters import MODALITIES
+from vlm_kv.storage import tensor_bytes
+
+if TYPE_CHECKING:
+    from vlm_kv.cache import CompressedCache
+
+
+def _stores(cache: "CompressedCache") -> list:
+    return [layer.store for layer in cache.layers if layer.store is not None]
+
+
+def modality_totals(cache: "CompressedCache", weight_by_bytes: bool) -> dict[str, int]:
+    totals = torch.zeros(len(MODALITIES), dtype=torch.long)
+    for store in _stores(cache):
+        counts = store.modality_counts().cpu()
+        totals += counts * (store.bytes_per_entry if weight_by_bytes else 1)
+    return {name: int(v) for name, v in zip(MODALITIES, totals.tolist())}
+
+
+def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
+    """Bytes allocated: ``total`` (keys and values, per layer / modality / tier), and ``held``
+    (total + metadata + query_window + gate_stash). ``unused`` is the part of ``total`` that is
+    spare tail capacity (at most ``evict_every`` tokens per head, released at each eviction step)."""
+    per_layer = [layer.store.kv_bytes() if layer.store is not None else 0 for layer in cache.layers]
+    total = sum(per_layer)
+    metadata = sum(store.meta_bytes() for store in _stores(cache))
+    query_window = sum(layer.query_window_bytes() for layer in cache.layers)
+    gate_stash = tensor_bytes(*cache.gate_stash.values())
+    return {
+        "total": total,
+        "per_layer": per_layer,
+        "per_modality": modality_totals(cache, weight_by_bytes=True),
+        "per_tier": {"fp": total, "int2": 0},
+        "unused": sum(store.unused_bytes() for store in _stores(cache)),
+        "metadata": metadata,
+        "query_window": query_window,
+        "gate_stash": gate_stash,
+        "held": total + metadata + query_window + gate_stash,
+    }
+
+
+def stats(cache: "CompressedCache") -> dict[str, Any]:
+    """Entry counts: total, per layer, per modality, per-head length spread, eviction steps."""
+    per_layer = [layer.store.num_entries() if layer.store is not None else 0 for layer in cache.layers]
+    lengths = [store.head_lengths().flatten().cpu() for store in _stores(cache)]
+    heads = torch.cat(lengths).float() if lengths else torch.zeros(1)
+    return {
+        "policy": cache.policy_name,
+        "budget": cache.budget.describe(),
+        "seen_tokens": cache.get_seq_length(),
+        "entries": sum(per_layer),
+        "per_layer": per_layer,
+        "per_modality": modality_totals(cache, weight_by_bytes=False),
+        "head_length": {"min": int(heads.min()), "mean": float(heads.mean()), "max": int(heads.max())},
+        "eviction_steps": cache.evictor.eviction_steps,
+        "evicted_entries": cache.evictor.evicted_entries,
+    }
+
+
+def budget_bytes(cache: "CompressedCache") -> int:
+    """Bytes the budget allows for the tokens seen so far (what ``kv_bytes()["total"]`` stays under after eviction)."""
+    stores = _stores(cache)
+    if not stores or cache.ledger.valid_tokens is None:
+        return 0
+    heads = sum(s.num_kv_heads for s in stores)
+    caps = [cache.budget.capacity(int(n)) for n in cache.ledger.valid_tokens.tolist()]
+    return sum(caps) * heads * stores[0].bytes_per_entry
+
+
+def full_kv_bytes(cache: "CompressedCache") -> int:
+    """Bytes an uncompressed DynamicCache would hold for the same tokens."""
+    return sum(
+        layer.store.batch_size * layer.store.num_kv_heads * layer.seen * layer.store.bytes_per_entry
+        for layer in cache.layers if layer.store is not None
+    )
+
+
+def cache_bytes(cache: Any) -> int:
+    """Key/value bytes any cache holds: ``kv_bytes()["total"]`` of ours, the layer tensors of a
+    transformers cache (DynamicCache and friends)."""
+    if hasattr(cache, "kv_bytes"):
+        return int(cache.kv_bytes()["total"])
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.nbytes
+    return total
