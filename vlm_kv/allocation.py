@@ -31,6 +31,10 @@ class Allocation:
     name: ClassVar[str] = "base"
     is_global: ClassVar[bool] = False
 
+    def for_layer(self, layer_idx: int) -> "Allocation":
+        """The allocation layer ``layer_idx`` uses; per-layer policies return a different one per layer."""
+        return self
+
     def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: int) -> torch.Tensor:
         """Per-head capacity of one layer ([B]); the layer allocations override this."""
         return cap

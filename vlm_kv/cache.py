@@ -86,7 +86,7 @@ class CompressedLayer(CacheLayerMixin):
         q = query.shape[2]
         self.scaling = scaling
         query_positions = store.tail_positions[-q:].long()
-        scorer = self.cache.scorer
+        scorer = self.cache.scorer.for_layer(self.layer_idx)
         if q == 1:
             out, received = attention.decode_attention(query, store, scaling, scorer.uses_received_attention)
             if received is not None:
@@ -103,7 +103,7 @@ class CompressedLayer(CacheLayerMixin):
         return out
 
     def _remember_queries(self, query: torch.Tensor, positions: torch.Tensor) -> None:
-        w = self.cache.scorer.query_window
+        w = self.cache.scorer.for_layer(self.layer_idx).query_window
         if w <= 0:
             return
         if self._queries is None:

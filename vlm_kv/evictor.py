@@ -54,13 +54,14 @@ class Evictor:
         caps = [max(0, self.budget.capacity(int(n)) - self.slack) for n in valid_tokens.tolist()]
         return torch.tensor(caps, dtype=torch.long, device=valid_tokens.device)
 
-    def _protected(self, caps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [protected_counts(self.scorer, int(c)) for c in caps.tolist()]
+    def _protected(self, caps: torch.Tensor, scorer: Scorer) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [protected_counts(scorer, int(c)) for c in caps.tolist()]
         sinks = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=caps.device)
         windows = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=caps.device)
         return sinks, windows
 
     def _scores(self, layer, view, cap_layer: torch.Tensor, ledger: TokenLedger, num_layers: int) -> torch.Tensor:
+        scorer = self.scorer.for_layer(layer.layer_idx)
         ctx = ScoreContext(
             layer_idx=layer.layer_idx,
             num_layers=num_layers,
@@ -74,8 +75,8 @@ class Evictor:
         )
         if view.length == 0:  # everything was evicted before (a budget of 0 tokens per head)
             return torch.empty(view.valid.shape, dtype=torch.float32, device=view.valid.device)
-        sinks, windows = self._protected(cap_layer)
-        return protect(self.scorer.score(ctx), view, sinks, windows, ledger.first_positions, layer.seen)
+        sinks, windows = self._protected(cap_layer, scorer)
+        return protect(scorer.score(ctx), view, sinks, windows, ledger.first_positions, layer.seen)
 
     @torch.no_grad()
     def evict(self, layers: Sequence, ledger: TokenLedger) -> None:
@@ -85,7 +86,6 @@ class Evictor:
         states = self.scorer.state_names
         before = sum(layer.store.num_entries() for layer in layers)
         num_layers = len(layers)
-        window = self._protected(caps)[1].max().item() if caps.numel() else 0
         if self.allocation.is_global:
             scores, modality = [], []
             for layer in layers:
@@ -96,9 +96,11 @@ class Evictor:
         else:
             keeps = []
             for layer in layers:
-                cap_layer = self.allocation.layer_capacity(layer.layer_idx, num_layers, caps, int(window))
+                allocation = self.allocation.for_layer(layer.layer_idx)
+                window = int(self._protected(caps, self.scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
+                cap_layer = allocation.layer_capacity(layer.layer_idx, num_layers, caps, window)
                 view = layer.store.padded_view(with_values=False, states=states)
-                keeps.append(self.allocation.keep_layer(self._scores(layer, view, cap_layer, ledger, num_layers), cap_layer))
+                keeps.append(allocation.keep_layer(self._scores(layer, view, cap_layer, ledger, num_layers), cap_layer))
         for layer, keep in zip(layers, keeps):
             layer.store.compact(keep)
         self.eviction_steps += 1

@@ -48,6 +48,10 @@ class Scorer:
     def query_window(self) -> int:
         return 0
 
+    def for_layer(self, layer_idx: int) -> "Scorer":
+        """The scorer layer ``layer_idx`` uses; per-layer policies return a different one per layer."""
+        return self
+
     @property
     def sinks(self) -> int:
         return 0
