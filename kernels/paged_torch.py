@@ -1,0 +1,113 @@
+"""Pure PyTorch decode attention over the paged FP store and the INT2 windows (the reference).
+
+One decode query per (batch, query head) attends over its kv head's row. The row's blocks are
+gathered into one [rows, L, D] tensor (L = the longest row rounded up to whole blocks), and
+all rows are attended in one batched matmul with a length mask; no Python loop over rows.
+INT2 windows are dequantized and laid after the FP entries of the same row: softmax does not
+depend on order, so one softmax covers both tiers. Logits, softmax and the weighted sum run in
+float32; the output is cast to the query dtype. A row with no entries gives zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values
+from vlm_kv.kernels.layout import PagedShape, check_int2_store, check_paged_store
+
+
+def gather_paged_rows(pool: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's entries, left aligned: ([rows, L, D], valid [rows, L]) with L a multiple of block_size."""
+    rows = block_table.shape[0]
+    block_size, d = pool.shape[1], pool.shape[2]
+    longest = int(lengths.max()) if rows else 0
+    cols = -(-longest // block_size)
+    if cols == 0:
+        return pool.new_zeros(rows, 0, d), torch.zeros(rows, 0, dtype=torch.bool, device=pool.device)
+    ids = block_table[:, :cols].long().clamp(min=0)  # columns past a row's blocks may be -1: masked below
+    entries = pool[ids].view(rows, cols * block_size, d)
+    valid = torch.arange(cols * block_size, device=pool.device)[None, :] < lengths[:, None]
+    return entries, valid
+
+
+def gather_int2_rows(
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    int2_table: torch.Tensor,
+    int2_counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's INT2 windows dequantized (float32): (keys, values [rows, L, D], valid [rows, L])."""
+    rows = int2_table.shape[0]
+    w, d = key_codes.shape[1], key_codes.shape[2] * 4
+    most = int(int2_counts.max()) if rows else 0
+    if most == 0:
+        empty = torch.zeros(rows, 0, d, device=key_codes.device)
+        return empty, empty, torch.zeros(rows, 0, dtype=torch.bool, device=key_codes.device)
+    ids = int2_table[:, :most].long().clamp(min=0)
+    keys = dequantize_keys(key_codes[ids], key_scale[ids], key_zero[ids]).view(rows, most * w, d)
+    values = dequantize_values(value_codes[ids], value_scale[ids], value_zero[ids]).view(rows, most * w, d)
+    valid = torch.arange(most * w, device=key_codes.device)[None, :] < (int2_counts.long() * w)[:, None]
+    return keys, values, valid
+
+
+def _attend_rows(query: torch.Tensor, shape: PagedShape, keys: torch.Tensor, values: torch.Tensor,
+                 valid: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    scale = scaling if scaling is not None else shape.head_dim ** -0.5
+    q = query.reshape(shape.rows, shape.group, shape.head_dim).float()
+    logits = torch.bmm(q, keys.float().transpose(1, 2)) * scale  # [rows, g, L]
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.where(valid.any(dim=1)[:, None, None], probs, torch.zeros_like(probs))  # empty row: NaN -> 0
+    out = torch.bmm(probs, values.float())
+    return out.view(shape.batch, shape.num_query_heads, shape.head_dim).to(query.dtype)
+
+
+def paged_decode_attention_torch(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float | None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Decode attention of ``query`` [B, Hq, D] over the paged FP store; returns [B, Hq, D]."""
+    shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
+    keys, valid = gather_paged_rows(key_pool, block_table, lengths)
+    values, _ = gather_paged_rows(value_pool, block_table, lengths)
+    return _attend_rows(query, shape, keys, values, valid, scaling)
+
+
+def mixed_decode_attention_torch(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    int2_table: torch.Tensor,
+    int2_counts: torch.Tensor,
+    scaling: float | None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """One softmax over each row's FP entries and its dequantized INT2 windows; returns [B, Hq, D]."""
+    shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
+    check_int2_store(shape, query.device, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+                     int2_table, int2_counts, validate)
+    fp_keys, fp_valid = gather_paged_rows(key_pool, block_table, lengths)
+    fp_values, _ = gather_paged_rows(value_pool, block_table, lengths)
+    q_keys, q_values, q_valid = gather_int2_rows(key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+                                                 int2_table, int2_counts)
+    keys = torch.cat([fp_keys.float(), q_keys], dim=1)
+    values = torch.cat([fp_values.float(), q_values], dim=1)
+    valid = torch.cat([fp_valid, q_valid], dim=1)
+    return _attend_rows(query, shape, keys, values, valid, scaling)
