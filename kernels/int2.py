@@ -44,7 +44,7 @@ def _grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """fp16 (scale, zero) with zero <= lo and zero + 3 * scale >= hi in float32 arithmetic."""
     if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
         raise ValueError("INT2 quantization got non-finite values")
-    if float(lo.abs().max(initial=0.0)) > _FP16_MAX or float(hi.abs().max(initial=0.0)) > _FP16_MAX:
+    if lo.numel() and max(float(lo.abs().amax()), float(hi.abs().amax())) > _FP16_MAX:
         raise ValueError(f"INT2 quantization stores zero in float16: values beyond +-{_FP16_MAX} cannot be represented")
     zero = lo.to(torch.float16)
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)

@@ -106,8 +106,8 @@ def _decode_kernel(
     tl.store(acc_out + (part * G + offs_g[:, None]) * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton decides at decoration time whether a kernel is compiled or interpreted, so record it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _next_pow2(n: int) -> int:
@@ -137,10 +137,10 @@ def _merge_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.
 def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
             block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
             scaling: float | None, num_splits: int | None, tile: int) -> torch.Tensor:
-    if query.device.type != "cuda" and not interpreting():
+    if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton decode kernel needs CUDA tensors (got {query.device}); on CPU set TRITON_INTERPRET=1 "
-            "before importing triton, or use backend='torch'"
+            "before importing vlm_kv.kernels.paged_triton, or use backend='torch'"
         )
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
@@ -222,4 +222,4 @@ def mixed_decode_attention_triton(
     return _launch(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
 
 
-__all__ = ["paged_decode_attention_triton", "mixed_decode_attention_triton", "interpreting"]
+__all__ = ["paged_decode_attention_triton", "mixed_decode_attention_triton", "INTERPRETED"]
