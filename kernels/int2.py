@@ -84,14 +84,30 @@ def quantize_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return pack_int2(_codes(x, scale[:, :, None], zero[:, :, None])), scale, zero
 
 
+_BYTE_TO_CODES: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_int2_float(packed: torch.Tensor) -> torch.Tensor:
+    """[..., D // 4] uint8 -> [..., D] float32 codes, through a 256 x 4 lookup table (one gather,
+    ~2x faster on CPU than shifting and masking)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    table = _BYTE_TO_CODES.get(packed.device)
+    if table is None:
+        shifts = torch.tensor([0, 2, 4, 6], device=packed.device)
+        table = ((torch.arange(256, device=packed.device)[:, None] >> shifts) & CODE_MAX).float()
+        _BYTE_TO_CODES[packed.device] = table
+    return table.index_select(0, packed.reshape(-1).long()).view(*packed.shape[:-1], packed.shape[-1] * 4)
+
+
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """(codes [..., w, D // 4], scale/zero [..., D]) -> keys [..., w, D] float32."""
-    return unpack_int2(codes).float() * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
+    return torch.addcmul(zero.float().unsqueeze(-2), unpack_int2_float(codes), scale.float().unsqueeze(-2))
 
 
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """(codes [..., w, D // 4], scale/zero [..., w]) -> values [..., w, D] float32."""
-    return unpack_int2(codes).float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return torch.addcmul(zero.float().unsqueeze(-1), unpack_int2_float(codes), scale.float().unsqueeze(-1))
 
 
 def int2_window_bytes(window: int, head_dim: int) -> int:

@@ -82,8 +82,8 @@ def pack_paged_prefill(
     packed_q = query.reshape(shape.batch, shape.num_kv_heads, g, q_len, d).permute(0, 1, 3, 2, 4)
     packed_q = packed_q.reshape(rows * q_len, g, d).contiguous()
     index = paged_entry_index(block_table, lengths, shape.block_size)
-    key = key_pool.view(-1, d)[index].unsqueeze(1)
-    value = value_pool.view(-1, d)[index].unsqueeze(1)
+    key = key_pool.view(-1, d).index_select(0, index).unsqueeze(1)
+    value = value_pool.view(-1, d).index_select(0, index).unsqueeze(1)
     dev = query.device
     cu_q = torch.arange(rows + 1, device=dev, dtype=torch.int32) * q_len
     cu_k = torch.zeros(rows + 1, device=dev, dtype=torch.int32)

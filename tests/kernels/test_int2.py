@@ -106,3 +106,10 @@ def test_window_bytes_match_the_spec_formula():
         codes, ks, kz = quantize_keys(torch.randn(1, w, d))
         vcodes, vs, vz = quantize_values(torch.randn(1, w, d))
         assert sum(t.numel() * t.element_size() for t in (codes, ks, kz, vcodes, vs, vz)) == int2_window_bytes(w, d)
+
+
+def test_float_unpacking_matches_bitwise_unpacking():
+    from vlm_kv.kernels.int2 import unpack_int2_float
+
+    packed = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    assert torch.equal(unpack_int2_float(packed), unpack_int2(packed).float())
