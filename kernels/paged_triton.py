@@ -15,6 +15,7 @@ tensors (slowly), which is how the tests check it without a GPU.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 import triton
@@ -114,10 +115,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _choose_splits(rows: int, capacity: int, tile: int, device: torch.device) -> int:
     """Enough (row, split) programs to fill the device, never more splits than tiles."""
     if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * _multiprocessors(device)
     else:
         target = 2 * rows
     most = max(1, -(-capacity // tile))

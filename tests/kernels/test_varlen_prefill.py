@@ -88,3 +88,17 @@ def test_prefill_bad_input_raises():
         paged_prefill_attention(query, *store, None, causal=False, backend="flash")
     with pytest.raises(ValueError, match="unknown prefill backend"):
         paged_prefill_attention(query, *store, None, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn runs on CUDA only (run by scripts/gpu_check.sh)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_prefill_equals_torch_on_cuda(causal):
+    from vlm_kv.kernels.varlen_prefill import flash_attn_available
+
+    if not flash_attn_available():
+        pytest.skip("flash-attn is not installed on this CUDA machine")
+    query, store = _prefill_store(3, torch.bfloat16, [6, 45, 130, 9], q_len=6, seed=11)
+    query, store = query.cuda(), [t.cuda() for t in store]
+    out = paged_prefill_attention(query, *store, 0.25, causal=causal, backend="flash")
+    ref = paged_prefill_attention_torch(query, *store, 0.25, causal=causal)
+    assert torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])
