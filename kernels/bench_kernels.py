@@ -2,7 +2,8 @@
 
 For each row length it builds one layer's paged store (blocks scattered through the pool) and,
 with ``--int2-share``, a mixed store where that share of each row is INT2 windows; it times
-every available backend (median of repeats, after warm-up) and reports the bytes of K/V the
+every available backend (median of repeats, after warm-up), plus SDPA over a dense
+[B, H, L, D] cache (what a DynamicCache layer runs), and reports the bytes of K/V the
 call must read divided by its time, also as a fraction of the device's copy bandwidth
 (``torch`` copy of a large tensor, counting bytes read plus bytes written).
 
@@ -22,6 +23,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from vlm_kv.kernels.int2 import int2_window_bytes, quantize_keys, quantize_values
 from vlm_kv.kernels.paged_torch import mixed_decode_attention_torch, paged_decode_attention_torch
@@ -118,6 +120,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             int2 = build_int2(rows, windows, args.window, args.head_dim, device)
             nbytes = rows * (fp_len * 2 * args.head_dim * elt + windows * int2_window_bytes(args.window, args.head_dim))
             cases.append((f"mixed{args.int2_share:g}", mixed_fp, int2, nbytes))
+        # What a DynamicCache layer runs at the same length: SDPA over contiguous [B, H, L, D].
+        dense_k = torch.randn(args.batch, args.kv_heads, length, args.head_dim, dtype=dtype, device=device)
+        dense_v = torch.randn_like(dense_k)
+        q4 = query[:, :, None, :]
+        seconds = time_call(lambda: F.scaled_dot_product_attention(q4, dense_k, dense_v, enable_gqa=args.group > 1),
+                            device, args.repeats)
+        results.append(_result("sdpa", "dense", length, rows, args, device, seconds, cases[0][3], copy_bw))
         for kind, fp_store, int2_store, nbytes in cases:
             fp_args = (query, fp_store["key_pool"], fp_store["value_pool"], fp_store["block_table"], fp_store["lengths"])
             for name, (paged_fn, mixed_fn) in backends.items():
@@ -128,13 +137,18 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                               "value_scale", "value_zero", "int2_table", "int2_counts"))
                     fn = lambda: mixed_fn(*fp_args, *int2_args, None, validate=False)  # noqa: E731
                 seconds = time_call(fn, device, args.repeats)
-                row = {"backend": name, "store": kind, "length": length, "rows": rows, "group": args.group,
-                       "head_dim": args.head_dim, "dtype": args.dtype, "device": str(device), "ms": seconds * 1e3,
-                       "kv_bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9, "copy_fraction": nbytes / seconds / copy_bw}
-                results.append(row)
-                print(f"{kind:>9} {name:>6} L={length:>6}: {seconds * 1e3:8.3f} ms  {row['gb_per_s']:8.1f} GB/s  "
-                      f"{row['copy_fraction']:.2f} of copy")
+                results.append(_result(name, kind, length, rows, args, device, seconds, nbytes, copy_bw))
     return results
+
+
+def _result(backend: str, store: str, length: int, rows: int, args: argparse.Namespace, device: torch.device,
+            seconds: float, nbytes: int, copy_bw: float) -> dict:
+    row = {"backend": backend, "store": store, "length": length, "rows": rows, "group": args.group,
+           "head_dim": args.head_dim, "dtype": args.dtype, "device": str(device), "ms": seconds * 1e3,
+           "kv_bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9, "copy_fraction": nbytes / seconds / copy_bw}
+    print(f"{store:>9} {backend:>6} L={length:>6}: {seconds * 1e3:8.3f} ms  {row['gb_per_s']:8.1f} GB/s  "
+          f"{row['copy_fraction']:.2f} of copy", flush=True)
+    return row
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

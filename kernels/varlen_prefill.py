@@ -154,8 +154,7 @@ def paged_prefill_attention_torch(
     shape, q_len = _check_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate)
     rows, g, d = shape.rows, shape.group, shape.head_dim
     scale = scaling if scaling is not None else d ** -0.5
-    keys, values, invalid = gather_paged_rows(key_pool, value_pool, block_table, lengths)
-    valid = ~invalid
+    keys, values, valid = gather_paged_rows(key_pool, value_pool, block_table, lengths)
     keys_t, values = keys.float().transpose(1, 2), values.float()
     q = query.reshape(rows, g, q_len, d).float()
     cols = torch.arange(keys.shape[1], device=query.device)
