@@ -5,8 +5,9 @@ Split-K decode (flash-decoding): the grid is (rows, splits). Program (r, s) load
 its share of the row's INT2 windows (unpacking the 2-bit codes and applying the fp16 grid in
 registers, so no dequantized copy is ever written), and keeps an online softmax (running max,
 sum and weighted values, float32, base 2). Each kv tile is loaded once for all ``g`` query
-heads of the group. A small PyTorch step merges the splits. Splits let a few long rows
-(batch 1, 3 kv heads) still fill a GPU.
+heads of the group (padded to 16 rows for ``tl.dot``). A second small kernel merges the splits
+and writes the output in the query dtype. Splits let a few long rows (batch 1, 3 kv heads)
+still fill a GPU.
 
 Same signature and result as ``paged_torch``; under ``TRITON_INTERPRET=1`` it runs on CPU
 tensors (slowly), which is how the tests check it without a GPU.
@@ -107,6 +108,36 @@ def _decode_kernel(
     tl.store(acc_out + (part * G + offs_g[:, None]) * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits,
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Combine a row's split partials (base-2 running max, sum, unnormalised values) into its output."""
+    row = tl.program_id(0)
+    offs_s = tl.arange(0, S_PAD)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    sg_mask = (offs_s[:, None] < num_splits) & gmask[None, :]
+    m_all = tl.load(m_ptr + (row * num_splits + offs_s[:, None]) * G + offs_g[None, :], mask=sg_mask, other=float("-inf"))
+    top = tl.max(m_all, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no entries anywhere: every weight is 0
+    total = tl.zeros([G_PAD], tl.float32)
+    out = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for split in range(0, num_splits):
+        part = row * num_splits + split
+        m_s = tl.load(m_ptr + part * G + offs_g, mask=gmask, other=float("-inf"))
+        l_s = tl.load(l_ptr + part * G + offs_g, mask=gmask, other=0.0)
+        weight = tl.exp2(m_s - top)
+        total += l_s * weight
+        acc = tl.load(acc_ptr + (part * G + offs_g[:, None]) * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :],
+                      other=0.0)
+        out += acc * weight[:, None]
+    out = tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None] & dmask[None, :])
+
+
 # Triton decides at decoration time whether a kernel is compiled or interpreted, so record it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -128,16 +159,6 @@ def _choose_splits(rows: int, capacity: int, tile: int, device: torch.device) ->
         target = 2 * rows
     most = max(1, -(-capacity // tile))
     return max(1, min(most, -(-target // max(rows, 1))))
-
-
-def _merge_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """Combine split partials [rows, S, G, (D)] (base-2 running max) into [rows, G, D]."""
-    top = m.amax(dim=1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weight = torch.exp2(m - top)  # empty split: exp2(-inf) = 0
-    total = (l * weight).sum(dim=1)
-    out = (acc * weight[..., None]).sum(dim=1)
-    return torch.where(total[..., None] > 0, out / total.clamp(min=1e-30)[..., None], torch.zeros_like(out))
 
 
 def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -181,8 +202,10 @@ def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, valu
         G=g, G_PAD=max(16, _next_pow2(g)), D=d, D_PAD=max(16, _next_pow2(d)),
         BS=shape.block_size, W=w, TILE=tile, HAS_INT2=int2 is not None, PRECISION=precision,
     )
-    out = _merge_splits(acc, m, l)
-    return out.view(shape.batch, shape.num_query_heads, d).to(query.dtype)
+    out = torch.empty(rows, g, d, dtype=query.dtype, device=query.device)
+    _merge_kernel[(rows,)](acc, m, l, out, splits, G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d),
+                           S_PAD=_next_pow2(splits))
+    return out.view(shape.batch, shape.num_query_heads, d)
 
 
 def paged_decode_attention_triton(
