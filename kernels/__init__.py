@@ -22,7 +22,11 @@ from vlm_kv.kernels.int2 import (
     quantize_values,
     unpack_int2,
 )
-from vlm_kv.kernels.paged_torch import mixed_decode_attention_torch, paged_decode_attention_torch
+from vlm_kv.kernels.paged_torch import (
+    mixed_attention_weights_torch,
+    mixed_decode_attention_torch,
+    paged_decode_attention_torch,
+)
 from vlm_kv.kernels.varlen_prefill import (
     flash_attn_available,
     pack_paged_prefill,
@@ -33,7 +37,7 @@ from vlm_kv.kernels.varlen_prefill import (
 
 __all__ = [
     "paged_decode_attention", "paged_decode_attention_torch",
-    "mixed_decode_attention", "mixed_decode_attention_torch",
+    "mixed_decode_attention", "mixed_decode_attention_torch", "mixed_attention_weights_torch",
     "resolve_backend", "triton_available",
     "quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values",
     "pack_int2", "unpack_int2", "int2_window_bytes",

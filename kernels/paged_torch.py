@@ -118,3 +118,45 @@ def mixed_decode_attention_torch(
     values = torch.cat([fp_values.float(), q_values], dim=1)
     valid = torch.cat([fp_valid, q_valid], dim=1)
     return _attend_rows(query, shape, keys, values, valid, scaling)
+
+
+def mixed_attention_weights_torch(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    int2_table: torch.Tensor,
+    int2_counts: torch.Tensor,
+    scaling: float | None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax weights of ``mixed_decode_attention`` for scorers (fused kernels never produce them).
+
+    Returns float32 ``(fp_weights [B, Hq, L], int2_weights [B, Hq, max_windows_held, w])``:
+    ``fp_weights[b, qh, i]`` is the weight of FP entry i of the query head's row (L = longest
+    row rounded up to whole blocks, zeros past a row's length) and ``int2_weights[b, qh, j, t]``
+    that of token t of the row's j-th INT2 window (``int2_table[r, j]``). Both tiers share one
+    softmax, so a row's weights sum to 1 (0 for a row with no entries).
+    """
+    shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
+    w = check_int2_store(shape, query.device, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+                         int2_table, int2_counts, validate)
+    fp_keys, _, fp_valid = gather_paged_rows(key_pool, key_pool, block_table, lengths)  # values not needed
+    q_keys, _, q_valid = gather_int2_rows(key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+                                          int2_table, int2_counts)
+    keys = torch.cat([fp_keys.float(), q_keys], dim=1)
+    valid = torch.cat([fp_valid, q_valid], dim=1)
+    scale = scaling if scaling is not None else shape.head_dim ** -0.5
+    q = query.reshape(shape.rows, shape.group, shape.head_dim).float() * scale
+    logits = torch.bmm(q, keys.transpose(1, 2)).masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    probs = probs.view(shape.batch, shape.num_query_heads, -1)
+    split = fp_keys.shape[1]
+    return probs[..., :split], probs[..., split:].reshape(shape.batch, shape.num_query_heads, -1, w)

@@ -78,3 +78,25 @@ def test_dispatcher_chooses_and_fails_closed(monkeypatch):
     with pytest.raises(RuntimeError, match="not importable"):
         dispatch.paged_decode_attention(*args, None, backend="triton")
     assert dispatch.resolve_backend("auto", torch.device("cuda")) == "torch"  # auto never fails
+
+
+def test_mixed_weights_are_the_softmax_of_mixed_attention():
+    from vlm_kv.kernels.int2 import dequantize_values
+    from vlm_kv.kernels.paged_torch import mixed_attention_weights_torch
+
+    fp = random_paged_store(2, 2, 3, 16, [0, 9, 0, 40], block_size=8, seed=6)
+    int2 = random_int2_store(4, 16, [0, 3, 2, 1], window=4)
+    fp_w, q_w = mixed_attention_weights_torch(*_fp_args(fp), *_int2_args(int2), None)
+    assert fp_w.shape == (2, 6, 40) and q_w.shape == (2, 6, 3, 4)
+    total = fp_w.sum(-1) + q_w.sum((-1, -2))
+    assert torch.allclose(total[0, :3], torch.zeros(3)) and torch.allclose(total[0, 3:], torch.ones(3))
+    assert torch.allclose(total[1], torch.ones(6))
+    assert bool((fp_w[0, 3:, 9:] == 0).all()) and bool((q_w[1, 3:, 1:] == 0).all())  # past lengths / counts
+    # weights times the entries' values give the attention output (row 3 = batch 1, kv head 1)
+    out = mixed_decode_attention_torch(*_fp_args(fp), *_int2_args(int2), None)
+    bs = 8
+    fp_values = torch.stack([fp["value_pool"][int(fp["block_table"][3, i // bs]), i % bs] for i in range(40)])
+    win = int(int2["int2_table"][3, 0])
+    q_values = dequantize_values(int2["value_codes"][win], int2["value_scale"][win], int2["value_zero"][win])
+    expected = fp_w[1, 3:, :40] @ fp_values + q_w[1, 3:, 0] @ q_values
+    assert torch.allclose(out[1, 3:], expected, atol=1e-5)
