@@ -173,6 +173,14 @@ def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, valu
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     rows, g, d = shape.rows, shape.group, shape.head_dim
     q = query.reshape(rows, g, d).contiguous()
+    # An empty pool (nothing stored yet in that tier) has no valid pointer to hand to the
+    # kernel; every length/count is then 0 and the placeholder is never read.
+    if key_pool.numel() == 0:
+        key_pool = value_pool = key_pool.new_zeros(1, shape.block_size, d)
+    if int2 is not None and int2[0].numel() == 0:
+        w = int2[0].shape[1]
+        int2 = (int2[0].new_zeros(1, w, d // 4), int2[1].new_zeros(1, d), int2[2].new_zeros(1, d),
+                int2[3].new_zeros(1, w, d // 4), int2[4].new_zeros(1, w), int2[5].new_zeros(1, w)) + tuple(int2[6:])
     fp_capacity = shape.max_blocks * shape.block_size
     if int2 is not None:
         kc, ks, kz, vc, vs, vz, wtable, wcount = int2

@@ -53,3 +53,19 @@ def test_compiled_kernel_refuses_cpu_tensors(triton_kernels, monkeypatch):
         triton_kernels.paged_decode_attention_triton(*[store[k] for k in FP_KEYS], None)
     with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
         dispatch.paged_decode_attention(*[store[k] for k in FP_KEYS], None, backend="triton")
+
+
+def test_empty_pools(triton_kernels):
+    """Nothing stored yet in one tier (a pool with no blocks / no windows), or in both."""
+    fp = random_paged_store(1, 2, 3, 16, [0, 0], block_size=4, spare_blocks=0, spare_columns=1, device=DEVICE)
+    assert fp["key_pool"].shape[0] == 0
+    int2 = random_int2_store(2, 16, [2, 0], window=4, spare_windows=0, device=DEVICE)
+    args = [fp[k] for k in FP_KEYS] + [int2[k] for k in INT2_KEYS]
+    ref = mixed_decode_attention_torch(*args, None)
+    out = triton_kernels.mixed_decode_attention_triton(*args, None, tile=16)
+    assert torch.allclose(out, ref, **TOL[torch.float32]) and bool((out[0, 3:] == 0).all())
+    empty_int2 = random_int2_store(2, 16, [0, 0], window=4, spare_windows=0, spare_columns=1, device=DEVICE)
+    assert empty_int2["key_codes"].shape[0] == 0
+    args = [fp[k] for k in FP_KEYS] + [empty_int2[k] for k in INT2_KEYS]
+    assert bool((triton_kernels.mixed_decode_attention_triton(*args, None, tile=16) == 0).all())
+    assert bool((triton_kernels.paged_decode_attention_triton(*[fp[k] for k in FP_KEYS], None, tile=16) == 0).all())
