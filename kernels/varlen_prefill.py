@@ -6,8 +6,9 @@ and the queries of its ``g`` query heads as ``[rows * Q, g, D]`` (flash-attn's G
 query heads onto the single kv head). ``cu_seqlens_k`` is the running sum of the row lengths,
 ``cu_seqlens_q`` steps by Q.
 
-Causal prefill: the row's last Q entries must be the Q new tokens, in order, with everything
-kept from earlier before them (append the chunk to the store, then attend). flash-attn aligns
+Causal prefill: the row's last Q FP entries must be the Q new tokens, in order, with everything
+kept from earlier before them (append the chunk to the store, then attend). INT2 windows, when
+given, are history: they are packed before the row's FP entries, so every query sees them. flash-attn aligns
 its causal mask to the bottom right (query i sees keys ``j <= i + len - Q``), which is then
 exactly "kept history plus the new tokens up to itself".
 
@@ -25,8 +26,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from vlm_kv.kernels.layout import check_paged_store
-from vlm_kv.kernels.paged_torch import gather_paged_rows
+from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values
+from vlm_kv.kernels.layout import check_int2_store, check_paged_store
+from vlm_kv.kernels.paged_torch import gather_int2_rows, gather_paged_rows
 
 
 @dataclass
@@ -67,6 +69,34 @@ def paged_entry_index(block_table: torch.Tensor, lengths: torch.Tensor, block_si
     return blocks * block_size + within % block_size
 
 
+def _check_int2(shape, query: torch.Tensor, int2: tuple[torch.Tensor, ...] | None, validate: bool) -> int:
+    if int2 is None:
+        return 0
+    if len(int2) != 8:
+        raise ValueError("int2 must be (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, "
+                         f"int2_table, int2_counts), got {len(int2)} tensors")
+    return check_int2_store(shape, query.device, *int2, validate_values=validate)
+
+
+def _int2_rows_packed(int2: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every held window dequantized, rows end to end: (keys, values [n * w, D], row of each token,
+    index of each token within its row)."""
+    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, table, counts = int2
+    rows, w = table.shape[0], key_codes.shape[1]
+    per_row = counts.long()
+    win_row = torch.repeat_interleave(torch.arange(rows, device=table.device), per_row)
+    starts = torch.cumsum(per_row, 0) - per_row
+    win_col = torch.arange(win_row.numel(), device=table.device) - starts[win_row]
+    ids = table[win_row, win_col].long()
+    d = key_codes.shape[2] * 4
+    keys = dequantize_keys(key_codes.index_select(0, ids), key_scale.index_select(0, ids), key_zero.index_select(0, ids))
+    values = dequantize_values(value_codes.index_select(0, ids), value_scale.index_select(0, ids),
+                               value_zero.index_select(0, ids))
+    token_row = win_row.repeat_interleave(w)
+    token_within = (win_col[:, None] * w + torch.arange(w, device=table.device)[None, :]).reshape(-1)
+    return keys.reshape(-1, d).to(dtype), values.reshape(-1, d).to(dtype), token_row, token_within
+
+
 def pack_paged_prefill(
     query: torch.Tensor,
     key_pool: torch.Tensor,
@@ -75,21 +105,45 @@ def pack_paged_prefill(
     lengths: torch.Tensor,
     causal: bool = True,
     validate: bool = True,
+    int2: tuple[torch.Tensor, ...] | None = None,
 ) -> VarlenPack:
-    """Packed q/k/v and cu_seqlens for prefill queries [B, Hq, Q, D] over the paged store."""
+    """Packed q/k/v and cu_seqlens for prefill queries [B, Hq, Q, D] over the paged store.
+
+    With ``int2`` (the eight INT2 tensors, as for ``mixed_decode_attention``) each row's sequence
+    is its dequantized INT2 windows (in table order, in the query dtype) followed by its FP
+    entries: the windows are history, so bottom-right causal masking lets every query see them.
+    """
     shape, q_len = _check_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate)
+    w = _check_int2(shape, query, int2, validate)
     rows, g, d = shape.rows, shape.group, shape.head_dim
+    dev = query.device
     packed_q = query.reshape(shape.batch, shape.num_kv_heads, g, q_len, d).permute(0, 1, 3, 2, 4)
     packed_q = packed_q.reshape(rows * q_len, g, d).contiguous()
     index = paged_entry_index(block_table, lengths, shape.block_size)
-    key = key_pool.view(-1, d).index_select(0, index).unsqueeze(1)
-    value = value_pool.view(-1, d).index_select(0, index).unsqueeze(1)
-    dev = query.device
-    cu_q = torch.arange(rows + 1, device=dev, dtype=torch.int32) * q_len
+    fp_key = key_pool.view(-1, d).index_select(0, index)
+    fp_value = value_pool.view(-1, d).index_select(0, index)
+    int2_tokens = int2[7].long() * w if int2 is not None else torch.zeros(rows, dtype=torch.long, device=dev)
+    per_row = lengths.long() + int2_tokens
     cu_k = torch.zeros(rows + 1, device=dev, dtype=torch.int32)
-    cu_k[1:] = torch.cumsum(lengths, 0).to(torch.int32)
-    max_k = int(lengths.max()) if rows else 0
-    return VarlenPack(packed_q, key, value, cu_q, cu_k, q_len, max_k)
+    cu_k[1:] = torch.cumsum(per_row, 0).to(torch.int32)
+    if int2 is None:
+        key, value = fp_key, fp_value
+    else:
+        q_key, q_value, token_row, token_within = _int2_rows_packed(int2, key_pool.dtype)
+        total = int(cu_k[-1])
+        key = key_pool.new_empty(total, d)
+        value = value_pool.new_empty(total, d)
+        row_start = cu_k[:-1].long()
+        key.index_copy_(0, row_start[token_row] + token_within, q_key)
+        value.index_copy_(0, row_start[token_row] + token_within, q_value)
+        fp_row = torch.repeat_interleave(torch.arange(rows, device=dev), lengths.long())
+        fp_within = torch.arange(fp_row.numel(), device=dev) - (torch.cumsum(lengths.long(), 0) - lengths.long())[fp_row]
+        fp_dest = row_start[fp_row] + int2_tokens[fp_row] + fp_within
+        key.index_copy_(0, fp_dest, fp_key)
+        value.index_copy_(0, fp_dest, fp_value)
+    cu_q = torch.arange(rows + 1, device=dev, dtype=torch.int32) * q_len
+    max_k = int(per_row.max()) if rows else 0
+    return VarlenPack(packed_q, key.unsqueeze(1), value.unsqueeze(1), cu_q, cu_k, q_len, max_k)
 
 
 def unpack_prefill_output(out: torch.Tensor, batch: int, num_query_heads: int, q_len: int) -> torch.Tensor:
@@ -144,18 +198,26 @@ def paged_prefill_attention_torch(
     scaling: float | None,
     causal: bool = True,
     validate: bool = True,
+    int2: tuple[torch.Tensor, ...] | None = None,
     chunk: int = 256,
 ) -> torch.Tensor:
-    """Prefill queries [B, Hq, Q, D] over the paged store in PyTorch; returns [B, Hq, Q, D].
+    """Prefill queries [B, Hq, Q, D] over the paged store (and INT2 windows) in PyTorch; returns [B, Hq, Q, D].
 
-    Same masking as the flash path (bottom-right causal per row). Chunked over queries so memory
-    stays O(chunk * longest row).
+    Same masking as the flash path: FP entries bottom-right causal per row, INT2 windows (history)
+    visible to every query. Chunked over queries so memory stays O(chunk * longest row).
     """
     shape, q_len = _check_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate)
+    _check_int2(shape, query, int2, validate)
     rows, g, d = shape.rows, shape.group, shape.head_dim
     scale = scaling if scaling is not None else d ** -0.5
     keys, values, valid = gather_paged_rows(key_pool, value_pool, block_table, lengths)
-    keys_t, values = keys.float().transpose(1, 2), values.float()
+    keys, values = keys.float(), values.float()
+    fp_cols = keys.shape[1]
+    if int2 is not None:
+        q_keys, q_values, q_valid = gather_int2_rows(*int2)
+        keys, values = torch.cat([keys, q_keys], dim=1), torch.cat([values, q_values], dim=1)
+        valid = torch.cat([valid, q_valid], dim=1)
+    keys_t = keys.transpose(1, 2)
     q = query.reshape(rows, g, q_len, d).float()
     cols = torch.arange(keys.shape[1], device=query.device)
     out = torch.zeros(rows, g, q_len, d, dtype=torch.float32, device=query.device)
@@ -164,11 +226,10 @@ def paged_prefill_attention_torch(
         visible = valid[:, None, :].expand(rows, stop - start, keys.shape[1])
         if causal:
             last = torch.arange(start, stop, device=query.device)[None, :, None] + (lengths.long() - q_len)[:, None, None]
-            visible = visible & (cols[None, None, :] <= last)
+            visible = visible & ((cols[None, None, :] <= last) | (cols[None, None, :] >= fp_cols))
         logits = torch.matmul(q[:, :, start:stop], keys_t[:, None]) * scale  # [rows, g, c, L]
         logits = logits.masked_fill(~visible[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        probs = torch.where(visible.any(-1)[:, None, :, None], probs, torch.zeros_like(probs))
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees nothing: zeros
         out[:, :, start:stop] = torch.matmul(probs, values[:, None])
     return out.view(shape.batch, shape.num_query_heads, q_len, d).to(query.dtype)
 
@@ -194,8 +255,10 @@ def paged_prefill_attention_flash(
     scaling: float | None,
     causal: bool = True,
     validate: bool = True,
+    int2: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """Prefill queries [B, Hq, Q, D] over the paged store with flash_attn_varlen_func (CUDA, fp16/bf16)."""
+    """Prefill queries [B, Hq, Q, D] over the paged store (and INT2 windows, dequantized into the
+    packed keys) with flash_attn_varlen_func (CUDA, fp16/bf16)."""
     fn = _flash_varlen()
     if fn is None:
         raise RuntimeError("flash-attn is not importable; install flash-attn or use backend='torch'")
@@ -203,7 +266,7 @@ def paged_prefill_attention_flash(
         raise RuntimeError(f"flash-attn needs CUDA tensors, got {query.device}")
     if query.dtype not in (torch.float16, torch.bfloat16) or key_pool.dtype != query.dtype:
         raise ValueError(f"flash-attn needs fp16/bf16 query and pools of the same dtype, got {query.dtype}/{key_pool.dtype}")
-    pack = pack_paged_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate)
+    pack = pack_paged_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate, int2)
     out = fn(
         pack.query, pack.key, pack.value,
         cu_seqlens_q=pack.cu_seqlens_q, cu_seqlens_k=pack.cu_seqlens_k,
@@ -211,7 +274,8 @@ def paged_prefill_attention_flash(
         dropout_p=0.0, softmax_scale=scaling, causal=causal,
     )
     result = unpack_prefill_output(out, query.shape[0], query.shape[1], query.shape[2])
-    empty = (lengths == 0).view(query.shape[0], -1)  # [B, H]: no keys, flash's output is undefined
+    held = lengths if int2 is None else lengths + int2[7]
+    empty = (held == 0).view(query.shape[0], -1)  # [B, H]: no keys, flash's output is undefined
     g = query.shape[1] // empty.shape[1]
     return result.masked_fill(empty.repeat_interleave(g, dim=1)[:, :, None, None], 0)
 
@@ -226,8 +290,12 @@ def paged_prefill_attention(
     causal: bool = True,
     backend: str = "auto",
     validate: bool = True,
+    int2: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """Prefill attention with backend "auto" (flash on CUDA fp16/bf16 when importable), "torch" or "flash"."""
+    """Prefill attention with backend "auto" (flash on CUDA fp16/bf16 when importable), "torch" or "flash".
+
+    ``int2``: optional (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+    int2_table, int2_counts); the INT2 windows are history, visible to every query."""
     if backend not in ("auto", "torch", "flash"):
         raise ValueError(f"unknown prefill backend {backend!r}; choose 'auto', 'torch' or 'flash'")
     use_flash = backend == "flash" or (
@@ -235,5 +303,7 @@ def paged_prefill_attention(
         and flash_attn_available()
     )
     if use_flash:
-        return paged_prefill_attention_flash(query, key_pool, value_pool, block_table, lengths, scaling, causal, validate)
-    return paged_prefill_attention_torch(query, key_pool, value_pool, block_table, lengths, scaling, causal, validate)
+        return paged_prefill_attention_flash(query, key_pool, value_pool, block_table, lengths, scaling, causal,
+                                             validate, int2)
+    return paged_prefill_attention_torch(query, key_pool, value_pool, block_table, lengths, scaling, causal,
+                                         validate, int2)
