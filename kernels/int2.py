@@ -47,11 +47,28 @@ def _grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if lo.numel() and max(float(lo.abs().amax()), float(hi.abs().amax())) > _FP16_MAX:
         raise ValueError(f"INT2 quantization stores zero in float16: values beyond +-{_FP16_MAX} cannot be represented")
     zero = lo.to(torch.float16)
-    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+    zero = torch.where(zero.float() > lo, fp16_step_down(zero), zero)
     scale = ((hi - zero.float()) / CODE_MAX).to(torch.float16)
     short = zero.float() + CODE_MAX * scale.float() < hi
-    scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    scale = torch.where(short, fp16_step_up(scale), scale)
     return scale, zero
+
+
+def fp16_step_down(x: torch.Tensor) -> torch.Tensor:
+    """The next float16 below each (finite) element, by its bit pattern (``torch.nextafter`` has
+    no float16 kernel on every device)."""
+    bits = x.view(torch.int16)
+    negative_zero_step = torch.tensor(-32767, dtype=torch.int16, device=x.device)  # 0x8001: -smallest subnormal
+    # Viewed as int16, a positive float's pattern steps down by -1; a negative float (sign bit
+    # set) is a negative int whose magnitude field grows by +1; both zeros step to -subnormal.
+    stepped = torch.where(bits > 0, bits - 1, torch.where(bits < 0, bits + 1, negative_zero_step))
+    return torch.where(bits == -32768, negative_zero_step, stepped).view(torch.float16)
+
+
+def fp16_step_up(x: torch.Tensor) -> torch.Tensor:
+    """The next float16 above each non-negative finite element (scales are never negative)."""
+    bits = x.view(torch.int16)
+    return torch.where(bits == -32768, torch.ones_like(bits), bits + 1).view(torch.float16)
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

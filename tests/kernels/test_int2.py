@@ -113,3 +113,15 @@ def test_float_unpacking_matches_bitwise_unpacking():
 
     packed = torch.arange(256, dtype=torch.uint8).view(16, 16)
     assert torch.equal(unpack_int2_float(packed), unpack_int2(packed).float())
+
+
+def test_fp16_steps_match_nextafter_on_every_float16():
+    from vlm_kv.kernels.int2 import fp16_step_down, fp16_step_up
+
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = torch.isfinite(x)
+    down = torch.nextafter(x, torch.full_like(x, -float("inf")))
+    assert torch.equal(fp16_step_down(x)[finite].view(torch.int16), down[finite].view(torch.int16))
+    up = torch.nextafter(x, torch.full_like(x, float("inf")))
+    nonneg = finite & (x >= 0)
+    assert torch.equal(fp16_step_up(x)[nonneg].view(torch.int16), up[nonneg].view(torch.int16))
