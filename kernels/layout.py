@@ -55,38 +55,40 @@ def check_paged_store(
     """Check shapes, dtypes and devices of a decode call; with ``validate_values`` also that every
     length fits its row's blocks and every used block index is inside the pool (reads the
     tensors: a host sync on CUDA)."""
-    if not (query.dim() == 3):
+    if query.dim() != 3:
         raise ValueError(f"query must be [batch, query_heads, head_dim], got shape {tuple(query.shape)}")
-    if not (query.dtype in FLOAT_DTYPES):
+    if query.dtype not in FLOAT_DTYPES:
         raise ValueError(f"query dtype {query.dtype} is not one of {FLOAT_DTYPES}")
-    if not (key_pool.dim() == 3):
+    if key_pool.dim() != 3:
         raise ValueError(f"key_pool must be [num_blocks, block_size, head_dim], got {tuple(key_pool.shape)}")
-    if not (value_pool.shape == key_pool.shape):
+    if value_pool.shape != key_pool.shape:
         raise ValueError(f"value_pool shape {tuple(value_pool.shape)} != key_pool shape {tuple(key_pool.shape)}")
-    if not (key_pool.dtype == value_pool.dtype and key_pool.dtype in FLOAT_DTYPES):
+    if key_pool.dtype != value_pool.dtype or key_pool.dtype not in FLOAT_DTYPES:
         raise ValueError(f"key/value pools must share a float dtype, got {key_pool.dtype} and {value_pool.dtype}")
     if not (key_pool.is_contiguous() and value_pool.is_contiguous()):
         raise ValueError("key_pool and value_pool must be contiguous")
     b, hq, d = query.shape
     num_blocks, block_size, pool_d = key_pool.shape
-    if not (pool_d == d):
+    if pool_d != d:
         raise ValueError(f"query head_dim {d} != pool head_dim {pool_d}")
-    if not (block_size > 0 and block_size & (block_size - 1) == 0):
+    if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if not (block_table.dim() == 2 and block_table.dtype == torch.int32):
-        raise ValueError(f"block_table must be [rows, max_blocks] int32, got {tuple(block_table.shape)} {block_table.dtype}")
-    if not (lengths.dim() == 1 and lengths.dtype == torch.int32):
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be [rows, max_blocks] int32, "
+                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    if lengths.dim() != 1 or lengths.dtype != torch.int32:
         raise ValueError(f"lengths must be [rows] int32, got {tuple(lengths.shape)} {lengths.dtype}")
     rows = block_table.shape[0]
-    if not (lengths.shape[0] == rows):
+    if lengths.shape[0] != rows:
         raise ValueError(f"lengths has {lengths.shape[0]} rows, block_table {rows}")
-    if not (rows % b == 0 and rows > 0):
+    if rows == 0 or rows % b:
         raise ValueError(f"block_table rows {rows} is not batch {b} times a number of kv heads")
     h = rows // b
-    if not (hq % h == 0):
+    if hq % h:
         raise ValueError(f"{hq} query heads are not a multiple of {h} kv heads (GQA)")
-    for name, t in (("key_pool", key_pool), ("value_pool", value_pool), ("block_table", block_table), ("lengths", lengths)):
-        if not (t.device == query.device):
+    for name, t in (("key_pool", key_pool), ("value_pool", value_pool), ("block_table", block_table),
+                    ("lengths", lengths)):
+        if t.device != query.device:
             raise ValueError(f"{name} is on {t.device}, query on {query.device}")
     shape = PagedShape(b, hq, h, hq // h, d, block_size, rows, block_table.shape[1])
     if validate_values:
@@ -101,17 +103,19 @@ def _check_table_values(table: torch.Tensor, counts: torch.Tensor, per_slot: int
     if counts.numel() == 0:
         return
     lo, hi = int(counts.min()), int(counts.max())
-    if not (lo >= 0):
+    if lo < 0:
         raise ValueError(f"{count_name} has a negative entry ({lo})")
-    if not (hi <= capacity):
-        raise ValueError(f"{count_name} entry {hi} exceeds the table capacity {capacity} ({table.shape[1]} {unit} x {per_slot})")
-    used_slots = (counts.long() + per_slot - 1) // per_slot  # table columns each row uses
-    used = torch.arange(table.shape[1], device=table.device)[None, :] < used_slots[:, None]
+    if hi > capacity:
+        raise ValueError(f"{count_name} entry {hi} exceeds the table capacity {capacity} "
+                         f"({table.shape[1]} {unit} x {per_slot})")
+    used_columns = (counts.long() + per_slot - 1) // per_slot
+    used = torch.arange(table.shape[1], device=table.device)[None, :] < used_columns[:, None]
     if bool(used.any()):
         ids = table[used]
-        if not (int(ids.min()) >= 0 and int(ids.max()) < pool_size):
-            raise ValueError(f"{table_name} points outside the pool of {pool_size} {unit} (used entries range "
-                 f"{int(ids.min())}..{int(ids.max())})")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= pool_size:
+            raise ValueError(f"{table_name} points outside the pool of {pool_size} {unit} "
+                             f"(used entries range {low}..{high})")
 
 
 def check_int2_store(
@@ -129,30 +133,35 @@ def check_int2_store(
 ) -> int:
     """Check the INT2 window pools against the paged store's shape; returns the window size w."""
     d = shape.head_dim
-    if not (d % 4 == 0):
+    if d % 4:
         raise ValueError(f"INT2 packs four channels per byte: head_dim {d} must be a multiple of 4")
-    if not (key_codes.dim() == 3 and key_codes.dtype == torch.uint8):
-        raise ValueError(f"key_codes must be [num_windows, w, head_dim // 4] uint8, got {tuple(key_codes.shape)} {key_codes.dtype}")
+    if key_codes.dim() != 3 or key_codes.dtype != torch.uint8:
+        raise ValueError(f"key_codes must be [num_windows, w, head_dim // 4] uint8, "
+                         f"got {tuple(key_codes.shape)} {key_codes.dtype}")
     n, w, packed = key_codes.shape
-    if not (packed == d // 4):
+    if packed != d // 4:
         raise ValueError(f"key_codes last dim {packed} != head_dim // 4 = {d // 4}")
-    if not (w >= 1):
+    if w < 1:
         raise ValueError("window size must be >= 1")
-    if not (value_codes.shape == key_codes.shape and value_codes.dtype == torch.uint8):
-        raise ValueError(f"value_codes must match key_codes {tuple(key_codes.shape)} uint8, got {tuple(value_codes.shape)} {value_codes.dtype}")
+    if value_codes.shape != key_codes.shape or value_codes.dtype != torch.uint8:
+        raise ValueError(f"value_codes must match key_codes {tuple(key_codes.shape)} uint8, "
+                         f"got {tuple(value_codes.shape)} {value_codes.dtype}")
     for name, t, want in (("key_scale", key_scale, (n, d)), ("key_zero", key_zero, (n, d)),
                           ("value_scale", value_scale, (n, w)), ("value_zero", value_zero, (n, w))):
-        if not (tuple(t.shape) == want and t.dtype == torch.float16):
+        if tuple(t.shape) != want or t.dtype != torch.float16:
             raise ValueError(f"{name} must be {want} float16, got {tuple(t.shape)} {t.dtype}")
-    if not (int2_table.dim() == 2 and int2_table.dtype == torch.int32 and int2_table.shape[0] == shape.rows):
-        raise ValueError(f"int2_table must be [{shape.rows}, max_windows] int32, got {tuple(int2_table.shape)} {int2_table.dtype}")
-    if not (int2_counts.shape == (shape.rows,) and int2_counts.dtype == torch.int32):
+    if int2_table.dim() != 2 or int2_table.dtype != torch.int32 or int2_table.shape[0] != shape.rows:
+        raise ValueError(f"int2_table must be [{shape.rows}, max_windows] int32, "
+                         f"got {tuple(int2_table.shape)} {int2_table.dtype}")
+    if int2_counts.shape != (shape.rows,) or int2_counts.dtype != torch.int32:
         raise ValueError(f"int2_counts must be [{shape.rows}] int32, got {tuple(int2_counts.shape)} {int2_counts.dtype}")
-    for name, t in (("key_codes", key_codes), ("key_scale", key_scale), ("key_zero", key_zero), ("value_codes", value_codes),
-                    ("value_scale", value_scale), ("value_zero", value_zero), ("int2_table", int2_table), ("int2_counts", int2_counts)):
-        if not (t.device == device):
+    tensors = (("key_codes", key_codes), ("key_scale", key_scale), ("key_zero", key_zero),
+               ("value_codes", value_codes), ("value_scale", value_scale), ("value_zero", value_zero),
+               ("int2_table", int2_table), ("int2_counts", int2_counts))
+    for name, t in tensors:
+        if t.device != device:
             raise ValueError(f"{name} is on {t.device}, query on {device}")
-        if not (t.is_contiguous()):
+        if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if validate_values:
         _check_table_values(int2_table, int2_counts, 1, n, "int2_table", "int2_counts", "windows")

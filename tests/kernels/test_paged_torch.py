@@ -65,6 +65,15 @@ def test_bad_stores_raise_clear_errors():
     bad[1] = bad[1].float()  # key_scale must be fp16
     with pytest.raises(ValueError, match="key_scale"):
         mixed_decode_attention_torch(*args, *bad, None)
+    bad = _int2_args(int2)
+    bad[6] = bad[6].clone()
+    bad[6][1, 1] = 50  # row 1's second window points past the window pool
+    with pytest.raises(ValueError, match="int2_table points outside the pool"):
+        mixed_decode_attention_torch(*args, *bad, None)
+    bad = _int2_args(int2)
+    bad[7] = torch.tensor([1, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int2_counts entry 9 exceeds"):
+        mixed_decode_attention_torch(*args, *bad, None)
 
 
 def test_dispatcher_chooses_and_fails_closed(monkeypatch):
