@@ -76,14 +76,15 @@ def build_store(rows: int, length: int, head_dim: int, block_size: int, dtype: t
 
 
 def build_int2(rows: int, windows: int, window: int, head_dim: int, device: torch.device, seed: int = 1) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    """Every row holds ``windows`` INT2 windows scattered through one window pool (built on ``device``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     n = max(1, rows * windows)
-    kc, ks, kz = quantize_keys(torch.randn(n, window, head_dim, generator=gen))
-    vc, vs, vz = quantize_values(torch.randn(n, window, head_dim, generator=gen))
-    table = torch.randperm(n, generator=gen)[: rows * windows].view(rows, windows).to(torch.int32)
-    store = {"key_codes": kc, "key_scale": ks, "key_zero": kz, "value_codes": vc, "value_scale": vs, "value_zero": vz,
-             "int2_table": table, "int2_counts": torch.full((rows,), windows, dtype=torch.int32)}
-    return {k: v.to(device) for k, v in store.items()}
+    kc, ks, kz = quantize_keys(torch.randn(n, window, head_dim, generator=gen, device=device))
+    vc, vs, vz = quantize_values(torch.randn(n, window, head_dim, generator=gen, device=device))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    table = order[: rows * windows].view(rows, windows).to(torch.int32).to(device)
+    return {"key_codes": kc, "key_scale": ks, "key_zero": kz, "value_codes": vc, "value_scale": vs, "value_zero": vz,
+            "int2_table": table, "int2_counts": torch.full((rows,), windows, dtype=torch.int32, device=device)}
 
 
 def available_backends(device: torch.device) -> dict[str, tuple[Callable, Callable]]:
