@@ -44,6 +44,10 @@ def test_triton_backend_through_dispatcher(triton_kernels):
     assert dispatch.resolve_backend("triton", DEVICE) == "triton"
     out = dispatch.paged_decode_attention(*args, None, backend="triton")
     assert torch.allclose(out, paged_decode_attention_torch(*args, None), **TOL[torch.float32])
+    int2 = random_int2_store(2, 16, [3, 20], window=8, device=DEVICE)  # 160 INT2 tokens: several default tiles
+    mixed_args = args + [int2[k] for k in INT2_KEYS]
+    out = dispatch.mixed_decode_attention(*mixed_args, None, backend="triton")
+    assert torch.allclose(out, mixed_decode_attention_torch(*mixed_args, None), **TOL[torch.float32])
 
 
 def test_compiled_kernel_refuses_cpu_tensors(triton_kernels, monkeypatch):
