@@ -109,3 +109,21 @@ def test_mixed_weights_are_the_softmax_of_mixed_attention():
     q_values = dequantize_values(int2["value_codes"][win], int2["value_scale"][win], int2["value_zero"][win])
     expected = fp_w[1, 3:, :40] @ fp_values + q_w[1, 3:, 0] @ q_values
     assert torch.allclose(out[1, 3:], expected, atol=1e-5)
+
+
+def test_without_triton_auto_uses_torch_and_triton_raises(monkeypatch):
+    """A CPU install without triton: nothing imports it, "auto" works, "triton" fails closed."""
+    import sys
+
+    store = random_paged_store(1, 2, 3, 16, [5, 9], block_size=4)
+    args = _fp_args(store)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    monkeypatch.setitem(sys.modules, "vlm_kv.kernels.paged_triton", None)
+    dispatch._triton_import_error.cache_clear()
+    try:
+        assert not dispatch.triton_available()
+        assert torch.equal(dispatch.paged_decode_attention(*args, None), paged_decode_attention_torch(*args, None))
+        with pytest.raises(RuntimeError, match="triton is not importable"):
+            dispatch.paged_decode_attention(*args, None, backend="triton")
+    finally:
+        dispatch._triton_import_error.cache_clear()
