@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Kernel checks for a machine with a CUDA GPU, in one go:
+#   1. tests/kernels compiled for CUDA (not interpreted): Triton decode kernels and flash-attn
+#      varlen prefill (when flash_attn imports) against the PyTorch reference;
+#   2. the decode micro-benchmark: torch vs triton ms per call at several row lengths, and the
+#      Triton kernel's K/V bandwidth as a fraction of the device's measured copy bandwidth.
+# Usage: scripts/gpu_check.sh [output folder]   (default: $OUT if set, else runs/gpu_check)
+# Env: PYTHON (default python3), LENGTHS (default 1024,4096,16384,65536), BENCH_ARGS (extra flags).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+OUTDIR="${1:-${OUT:-runs/gpu_check}}"
+LENGTHS="${LENGTHS:-1024,4096,16384,65536}"
+mkdir -p "$OUTDIR"
+unset TRITON_INTERPRET  # compile the kernels for the GPU
+
+"$PY" - <<'PY'
+import torch
+assert torch.cuda.is_available(), "gpu_check.sh needs a CUDA device"
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+import triton
+print("triton", triton.__version__)
+try:
+    import flash_attn
+    print("flash_attn", flash_attn.__version__)
+except Exception as exc:
+    print("flash_attn not importable:", exc)
+PY
+
+if ! "$PY" -c "import vlm_kv.kernels" 2>/dev/null; then
+  echo "vlm_kv.kernels not importable: installing this checkout (editable, no deps)"
+  "$PY" -m pip install --no-deps --no-build-isolation -q -e .
+fi
+
+echo "== tests/kernels on CUDA"
+OMP_NUM_THREADS=4 "$PY" -m pytest -q -p no:cacheprovider -rs tests/kernels 2>&1 | tee "$OUTDIR/tests.txt"
+
+echo "== decode micro-benchmark"
+for dtype in bfloat16 float32; do
+  "$PY" -m vlm_kv.kernels.bench_kernels --device cuda --dtype "$dtype" --lengths "$LENGTHS" \
+    --json "$OUTDIR/kernel_bench_${dtype}.jsonl" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench_${dtype}.txt"
+done
+echo "results in $OUTDIR"

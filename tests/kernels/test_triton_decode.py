@@ -1,0 +1,75 @@
+"""The Triton decode kernels against the PyTorch reference (interpreted on CPU, compiled on CUDA)."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from kernel_stores import FP_KEYS, INT2_KEYS, random_int2_store, random_paged_store
+from vlm_kv.kernels import dispatch
+from vlm_kv.kernels.paged_torch import mixed_decode_attention_torch, paged_decode_attention_torch
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+LENGTHS = [0, 7, 300, 33]  # batch 2 x 2 kv heads
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_triton_equals_torch(triton_kernels, group, dtype):
+    store = random_paged_store(2, 2, group, 32, LENGTHS, block_size=16, dtype=dtype, device=DEVICE, seed=group)
+    args = [store[k] for k in FP_KEYS]
+    ref = paged_decode_attention_torch(*args, None)
+    for splits in (None, 1, 3):  # 3 splits of 320 capacity: tiles fall in every split, some rows end early
+        out = triton_kernels.paged_decode_attention_triton(*args, None, num_splits=splits, tile=32)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert torch.allclose(out.float(), ref.float(), **TOL[dtype]), (splits, (out.float() - ref.float()).abs().max())
+    assert bool((out[0, :group] == 0).all())
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_triton_equals_torch(triton_kernels, group, dtype):
+    fp = random_paged_store(2, 2, group, 32, [0, 20, 0, 150], block_size=8, dtype=dtype, device=DEVICE, seed=7)
+    int2 = random_int2_store(4, 32, [0, 4, 6, 11], window=8, device=DEVICE)
+    args = [fp[k] for k in FP_KEYS] + [int2[k] for k in INT2_KEYS]
+    ref = mixed_decode_attention_torch(*args, 0.2)
+    for splits in (None, 2):
+        out = triton_kernels.mixed_decode_attention_triton(*args, 0.2, num_splits=splits, tile=16)
+        assert torch.allclose(out.float(), ref.float(), **TOL[dtype]), (splits, (out.float() - ref.float()).abs().max())
+    assert bool((out[0, :group] == 0).all())
+
+
+def test_triton_backend_through_dispatcher(triton_kernels):
+    store = random_paged_store(2, 1, 3, 16, [12, 40], block_size=4, device=DEVICE, seed=9)
+    args = [store[k] for k in FP_KEYS]
+    assert dispatch.resolve_backend("triton", DEVICE) == "triton"
+    out = dispatch.paged_decode_attention(*args, None, backend="triton")
+    assert torch.allclose(out, paged_decode_attention_torch(*args, None), **TOL[torch.float32])
+    int2 = random_int2_store(2, 16, [3, 20], window=8, device=DEVICE)  # 160 INT2 tokens: several default tiles
+    mixed_args = args + [int2[k] for k in INT2_KEYS]
+    out = dispatch.mixed_decode_attention(*mixed_args, None, backend="triton")
+    assert torch.allclose(out, mixed_decode_attention_torch(*mixed_args, None), **TOL[torch.float32])
+
+
+def test_compiled_kernel_refuses_cpu_tensors(triton_kernels, monkeypatch):
+    store = random_paged_store(1, 1, 1, 16, [4], block_size=4)
+    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        triton_kernels.paged_decode_attention_triton(*[store[k] for k in FP_KEYS], None)
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
+        dispatch.paged_decode_attention(*[store[k] for k in FP_KEYS], None, backend="triton")
+
+
+def test_empty_pools(triton_kernels):
+    """Nothing stored yet in one tier (a pool with no blocks / no windows), or in both."""
+    fp = random_paged_store(1, 2, 3, 16, [0, 0], block_size=4, spare_blocks=0, spare_columns=1, device=DEVICE)
+    assert fp["key_pool"].shape[0] == 0
+    int2 = random_int2_store(2, 16, [2, 0], window=4, spare_windows=0, device=DEVICE)
+    args = [fp[k] for k in FP_KEYS] + [int2[k] for k in INT2_KEYS]
+    ref = mixed_decode_attention_torch(*args, None)
+    out = triton_kernels.mixed_decode_attention_triton(*args, None, tile=16)
+    assert torch.allclose(out, ref, **TOL[torch.float32]) and bool((out[0, 3:] == 0).all())
+    empty_int2 = random_int2_store(2, 16, [0, 0], window=4, spare_windows=0, spare_columns=1, device=DEVICE)
+    assert empty_int2["key_codes"].shape[0] == 0
+    args = [fp[k] for k in FP_KEYS] + [empty_int2[k] for k in INT2_KEYS]
+    assert bool((triton_kernels.mixed_decode_attention_triton(*args, None, tile=16) == 0).all())
+    assert bool((triton_kernels.paged_decode_attention_triton(*[fp[k] for k in FP_KEYS], None, tile=16) == 0).all())
