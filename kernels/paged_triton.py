@@ -161,9 +161,10 @@ def _choose_splits(rows: int, capacity: int, tile: int, device: torch.device) ->
     return max(1, min(most, -(-target // max(rows, 1))))
 
 
-def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
-            block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
-            scaling: float | None, num_splits: int | None, tile: int) -> torch.Tensor:
+def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
+              block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
+              scaling: float | None, num_splits: int | None, tile: int):
+    """Run the split kernel; returns each (row, split)'s (unnormalised values, base-2 max, sum)."""
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton decode kernel needs CUDA tensors (got {query.device}); on CPU set TRITON_INTERPRET=1 "
@@ -210,10 +211,48 @@ def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, valu
         G=g, G_PAD=max(16, _next_pow2(g)), D=d, D_PAD=max(16, _next_pow2(d)),
         BS=shape.block_size, W=w, TILE=tile, HAS_INT2=int2 is not None, PRECISION=precision,
     )
+    return acc, m, l
+
+
+def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
+            block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
+            scaling: float | None, num_splits: int | None, tile: int) -> torch.Tensor:
+    acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
+    rows, splits, g, d = acc.shape
     out = torch.empty(rows, g, d, dtype=query.dtype, device=query.device)
     _merge_kernel[(rows,)](acc, m, l, out, splits, G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d),
                            S_PAD=_next_pow2(splits))
     return out.view(shape.batch, shape.num_query_heads, d)
+
+
+def paged_decode_sources_triton(
+    query: torch.Tensor,
+    sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    scaling: float | None,
+    validate: bool = False,
+    tile: int = 64,
+) -> torch.Tensor:
+    """Decode attention over several paged FP sources of one layer in ONE softmax.
+
+    Each source is (key_pool, value_pool, block_table, lengths) in the paged layout, e.g. a
+    cache's compacted body and its dense tail of recent tokens. Every source is walked by the
+    split kernel; the partial (max, sum, values) of all sources are merged in float32.
+    Returns [B, Hq, D] in the query dtype.
+    """
+    accs, ms, ls = [], [], []
+    for key_pool, value_pool, block_table, lengths in sources:
+        shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
+        acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, None, scaling, None, tile)
+        accs.append(acc), ms.append(m), ls.append(l)
+    acc, m, l = torch.cat(accs, dim=1), torch.cat(ms, dim=1), torch.cat(ls, dim=1)
+    top = m.max(dim=1, keepdim=True).values
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a row with no entries anywhere
+    weight = torch.exp2(m - top)
+    total = (l * weight).sum(dim=1)
+    out = (acc * weight[..., None]).sum(dim=1)
+    out = torch.where(total[..., None] > 0, out / total.clamp(min=1e-30)[..., None], torch.zeros_like(out))
+    b, hq, d = query.shape
+    return out.to(query.dtype).view(b, hq, d)
 
 
 def paged_decode_attention_triton(

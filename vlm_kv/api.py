@@ -43,6 +43,7 @@ def make_cache(
     allocation_kwargs: dict[str, Any] | None = None,
     gates: "str | torch.nn.Module | None" = None,
     prefill_chunk: int | None = None,
+    attention_backend: str = "auto",
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -59,6 +60,8 @@ def make_cache(
     prefill_chunk: feed prompts longer than this many tokens in chunks, evicting after each,
         so the prefill holds about budget + chunk instead of the whole prompt. Forwards that
         carry images or videos are prefilled in one piece.
+    attention_backend: decode attention: "auto" (the Triton paged kernel on CUDA when triton
+        imports, PyTorch otherwise), "torch", or "triton" (raises where it cannot run).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -81,6 +84,7 @@ def make_cache(
     return CompressedCache(
         adapter, scorer, alloc, budget, evict_every=evict_every, slack=slack, policy_name=key,
         model_id=id(model), seed=seed, gates=gate_module, prefill_chunk=prefill_chunk,
+        attention_backend=attention_backend,
     )
 
 

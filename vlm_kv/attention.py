@@ -209,6 +209,25 @@ def decode_attention(
     return out, (torch.cat(body_parts), torch.stack(tail_parts))
 
 
+def decode_attention_triton(query: torch.Tensor, store: Any, scaling: float | None) -> torch.Tensor:
+    """``decode_attention`` through the Triton paged decode kernel: the body is read in place as a
+    paged store with one-entry blocks, the tail buffer likewise; one softmax over both. [B, 1, Hq, D]."""
+    from vlm_kv.kernels.paged_triton import paged_decode_sources_triton
+
+    b, hq, _, d = query.shape
+    rows = store.batch_size * store.num_kv_heads
+    sources = []
+    if store.body_size:
+        table, lengths = store.body_table()
+        sources.append((store.body_keys.view(-1, 1, d), store.body_values.view(-1, 1, d), table, lengths))
+    cap, T = store.tail_capacity, store.tail_size
+    tail_table = (torch.arange(rows, device=query.device) * cap)[:, None] + torch.arange(T, device=query.device)[None]
+    sources.append((store._tail_k.view(-1, 1, d), store._tail_v.view(-1, 1, d), tail_table.to(torch.int32),
+                    torch.full((rows,), T, dtype=torch.int32, device=query.device)))
+    out = paged_decode_sources_triton(query[:, :, 0].contiguous(), sources, scaling)
+    return out.view(b, 1, hq, d)
+
+
 def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: float | None, want_received: bool):
     """bf16 / fp16: CPU matmuls round their logits to the input dtype, which moves greedy tokens
     away from what SDPA (fp32 accumulation and softmax) computes for a DynamicCache; so these

@@ -87,7 +87,12 @@ class CompressedLayer(CacheLayerMixin):
         self.scaling = scaling
         query_positions = store.tail_positions[-q:].long()
         scorer = self.cache.scorer.for_layer(self.layer_idx)
-        if q == 1:
+        if q == 1 and self.cache.use_triton_decode(query) and store.tail_all_valid and not scorer.uses_received_attention:
+            out = attention.decode_attention_triton(query, store, scaling)
+            if scorer.observes:
+                view = store.padded_view(with_values=False, with_modality=False)
+                scorer.observe(store, query, view, query_positions, scaling)
+        elif q == 1:
             out, received = attention.decode_attention(query, store, scaling, scorer.uses_received_attention)
             if received is not None:
                 scorer.observe_received(store, *received)
@@ -182,7 +187,10 @@ class CompressedCache(Cache):
         seed: int = 0,
         gates: torch.nn.Module | None = None,
         prefill_chunk: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if "log_beta" in scorer.state_names and gates is None:
@@ -193,6 +201,8 @@ class CompressedCache(Cache):
         self.policy_name = policy_name
         self.model_id = model_id
         self.prefill_chunk = prefill_chunk
+        self.attention_backend = attention_backend
+        self._triton_decode: bool | None = None
         self.num_layers = adapter.num_layers
         self.gates = gates
         self.gate_stash: dict[int, torch.Tensor] = {}
@@ -226,6 +236,17 @@ class CompressedCache(Cache):
     @property
     def evicted_entries(self) -> int:
         return self.evictor.evicted_entries
+
+    def use_triton_decode(self, query: torch.Tensor) -> bool:
+        """Whether decode steps run the Triton paged kernel (resolved once: CUDA + triton for "auto")."""
+        if self._triton_decode is None:
+            if self.attention_backend == "torch":
+                self._triton_decode = False
+            else:
+                from vlm_kv.kernels.dispatch import resolve_backend
+
+                self._triton_decode = resolve_backend(self.attention_backend, query.device) == "triton"
+        return self._triton_decode
 
     # ------------------------------------------------------------ forward
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_len: int | None) -> None:

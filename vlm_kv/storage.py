@@ -112,6 +112,15 @@ class VarlenKVStore:
         ]
         # local kv-head index of every body entry (ragged attention masks with it)
         self.entry_head = (self._rows % self.num_kv_heads).to(torch.int16) if not self.uniform else None
+        self._body_table = None  # built on first use by a paged kernel
+
+    def body_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body as a paged store with one-entry blocks: ([rows, max_length] int32 entry index, [rows] int32 lengths)."""
+        if self._body_table is None:
+            cols = torch.arange(max(self.max_length, 1), device=self.device)
+            table = (self.row_starts[:, None] + cols[None, :]).clamp(max=max(self.body_size - 1, 0))
+            self._body_table = (table.to(torch.int32), self.lengths.to(torch.int32))
+        return self._body_table
 
     def _release_tail(self) -> None:
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
@@ -200,7 +209,7 @@ class VarlenKVStore:
         """Bytes of positions, modality, policy state and row bookkeeping."""
         return tensor_bytes(
             self.body_positions, self.body_modality, self.lengths, self.row_starts, self._rows, self._cols,
-            self.entry_head, self._tail_pos, self._tail_mod, self._tail_valid,
+            self.entry_head, *(self._body_table or ()), self._tail_pos, self._tail_mod, self._tail_valid,
             *self.body_state.values(), *self._tail_state.values(),
         )
 
