@@ -99,3 +99,21 @@ def test_batch_repeat_interleave_repeats_each_sequence_entries():
         assert new.keys.shape[0] == 6
         for b in range(6):
             assert torch.equal(new.keys[b], old.keys[b // 3]) and torch.equal(new.positions[b], old.positions[b // 3])
+
+
+def test_an_error_half_way_through_a_forward_loses_nothing():
+    model = tiny_model("llama")
+    ids = torch.randint(5, 100, (1, 30), generator=torch.Generator().manual_seed(3))
+    ref = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, scorer_kwargs={"window": 4})
+    model(input_ids=ids, cache=ref)
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, scorer_kwargs={"window": 4})
+    model(input_ids=ids, cache=cache)
+    second = model.model.layers[1].self_attn
+    handle = second.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=ids[:, :1], cache=cache)  # layer 0 stores its token, then layer 1 fails
+    handle.remove()
+    assert cache.get_seq_length() == ref.get_seq_length() == 30
+    assert [layer.seen for layer in cache.layers] == [30, 30]
+    nxt = ids[:, :1]
+    torch.testing.assert_close(model(input_ids=nxt, cache=cache).logits, model(input_ids=nxt, cache=ref).logits)

@@ -268,10 +268,16 @@ class CompressedCache(Cache):
             self.evict()
 
     def abort_forward(self) -> None:
-        """The forward raised: drop its hand-offs without judging them."""
+        """The forward raised: drop its hand-offs and the tokens some layers already stored, so the
+        cache is as it was before the call (nothing of what it held is lost)."""
         attention.end_forward_quietly()
         self.gate_stash.clear()
-        self.ledger.end_forward()
+        self.ledger.abort_forward()
+        for layer in self.layers:
+            extra = layer.seen - self.ledger.seen
+            if layer.store is not None and extra > 0:
+                layer.store.drop_newest(extra)
+                layer.seen -= extra
 
     def stash_log_beta(self, layer_idx: int, log_beta: torch.Tensor) -> None:
         """Gate output for the tokens about to enter ``layer_idx`` ([B, H, Q])."""

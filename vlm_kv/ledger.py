@@ -63,6 +63,7 @@ class TokenLedger:
         if valid is None or valid.shape != (batch, q):
             valid = torch.ones(batch, q, dtype=torch.bool, device=device)
         self._current = ForwardRecord(modality.to(device), valid.to(device))
+        self._before = (self.valid_tokens, self.first_positions)
         self._count(self._current.valid)
         return self._current
 
@@ -74,6 +75,12 @@ class TokenLedger:
         q = record.valid.shape[1]
         self.seen += q
         return q
+
+    def abort_forward(self) -> None:
+        """The forward raised: forget its tokens, as if it never ran."""
+        if self._current is not None:
+            self.valid_tokens, self.first_positions = self._before
+        self._current = self._announced = None
 
     def _count(self, valid: torch.Tensor) -> None:
         counts = valid.sum(dim=1).long()

@@ -249,6 +249,13 @@ class VarlenKVStore:
         if self.tail_all_valid and q:
             self.tail_all_valid = bool(valid.all())
 
+    def drop_newest(self, count: int) -> None:
+        """Forget the ``count`` newest tail tokens (a forward that raised half-way)."""
+        if count > self.tail_size:
+            raise ValueError(f"cannot drop {count} tokens from a tail of {self.tail_size}")
+        self.tail_size -= count
+        self.tail_all_valid = bool(self.tail_valid.all()) if self.tail_size else True
+
     def set_tail_state(self, name: str, values: torch.Tensor) -> None:
         """Overwrite the state of the newest ``values.shape[-1]`` tail entries ([B, H, Q])."""
         q = values.shape[-1]
