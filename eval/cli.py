@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from vlm_kv.budget import budget_arg as parse_budget
@@ -78,22 +77,6 @@ def _default_out(args: argparse.Namespace) -> str:
     return os.path.join("runs", "mathvision", f"{model}_{args.policy}_{args.budget}_{args.prompt}")
 
 
-def _load_model(path: str, device: str | None, dtype_name: str):
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype_name == "auto":
-        dtype = "auto" if str(device).startswith("cuda") else torch.float32
-    else:
-        dtype = getattr(torch, dtype_name)
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    return model, processor
-
-
 def cmd_mathvision(args: argparse.Namespace) -> int:
     from .mathvision_data import default_data_dir, load_problems
     from .mathvision_run import RESULT_FILE, run_mathvision
@@ -110,7 +93,9 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         for pid, err in problems.errors[:10]:
             print(f"  {pid}: {err}", file=sys.stderr)
 
-    model, processor = _load_model(args.model, args.device, args.dtype)
+    from vlm_kv.loading import load_vlm
+
+    model, processor = load_vlm(args.model, args.device, args.dtype)
     out_dir = args.out or _default_out(args)
     summary = run_mathvision(
         model,
@@ -189,11 +174,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_mathvision)
 
     try:
-        from vlm_kv.eval import mmdu_cli  # added by another module; optional
-    except ImportError as exc:
-        if getattr(exc, "name", None) not in ("vlm_kv.eval.mmdu_cli", "vlm_kv.eval"):
-            warnings.warn(f"the eval mmdu sub-command is unavailable: {exc}", RuntimeWarning, stacklevel=2)
-        mmdu_cli = None
-    if mmdu_cli is not None and hasattr(mmdu_cli, "register"):
+        from vlm_kv.eval import mmdu_cli
+    except ImportError as exc:  # shown as unavailable, with the reason, rather than hidden
+        from vlm_kv.cli import add_unavailable
+
+        add_unavailable(eval_sub, "mmdu", "vlm_kv.eval.mmdu_cli", exc)
+    else:
         mmdu_cli.register(eval_sub)
     return eval_parser

@@ -181,22 +181,9 @@ class VLMKVGenerator:
     @classmethod
     def from_pretrained(cls, pretrained: str, cache_kwargs: Mapping[str, Any], *, device: str | None = None,
                         dtype: str = "auto", max_new_tokens: int = 1024) -> "VLMKVGenerator":
-        import os
+        from vlm_kv.loading import load_vlm
 
-        import torch
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        if not os.path.isdir(str(pretrained)):
-            raise FileNotFoundError(f"model folder not found: {pretrained} (pretrained= must be a local folder)")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            torch_dtype = "auto" if str(device).startswith("cuda") else torch.float32
-        else:
-            torch_dtype = getattr(torch, str(dtype))
-        processor = AutoProcessor.from_pretrained(pretrained)
-        model = AutoModelForImageTextToText.from_pretrained(pretrained, dtype=torch_dtype)
-        model.to(device).eval()
+        model, processor = load_vlm(pretrained, device, dtype)
         return cls(model, processor, cache_kwargs, max_new_tokens)
 
     def _inputs(self, context: str, images: list) -> dict:

@@ -17,26 +17,13 @@ import os
 import sys
 
 from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.loading import load_vlm  # module attribute: tests replace it
 
 
 
 def _default_out(args) -> str:
     model = os.path.basename(os.path.normpath(args.model)) or "model"
     return os.path.join("runs", "mmdu", f"{model}_{args.policy}_{args.budget}")
-
-
-def load_vlm(path: str, device: str | None = None):
-    """A transformers VLM and its processor from a local folder."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "auto" if str(device).startswith("cuda") else torch.float32
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    return model, processor
 
 
 def cmd_mmdu(args: argparse.Namespace) -> int:
