@@ -3,10 +3,10 @@
 For every problem: build the prompt (:mod:`.mathvision_prompt`), render it
 with the processor's chat template, run the processor on text + image, make a
 fresh cache with ``vlm_kv.make_cache(model, policy=..., budget=...)`` and call
-``model.generate(**inputs, past_key_values=cache, max_new_tokens=...,
-do_sample=False)`` (greedy, as the reference runs).  The new tokens are
-decoded and scored right away with the authors' rules
-(:mod:`.mathvision_score`).
+``model.generate(**inputs, cache=cache, max_new_tokens=..., do_sample=False)``
+(greedy, as the reference runs; ``cache=`` is transformers 5.x's name, ``past_key_values=``
+before it, see ``vlm_kv.api.cache_kwarg``).  The new tokens are decoded and scored right away
+with the authors' rules (:mod:`.mathvision_score`).
 
 Output folder
 -------------
@@ -145,7 +145,9 @@ def generate_response(
         image = problem.load_image()
     inputs = _model_inputs(model, processor, problem, image, prompt_style)
     cache = make_cache(model, policy=policy, budget=budget, **(cache_kwargs or {}))
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+    from vlm_kv.api import cache_kwarg
+
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=max_new_tokens, do_sample=False)
     n_in = int(inputs["input_ids"].shape[1])
     new_ids = out[:, n_in:]
     n_new = int(new_ids.shape[1])
