@@ -34,6 +34,7 @@ __all__ = [
     "tiny_inputs",
     "tiny_processor",
     "tiny_tokenizer",
+    "save_tiny_vlm",
 ]
 
 # one tiny model per supported family
@@ -522,26 +523,10 @@ def tiny_tokenizer(family: str):
     return hf
 
 
-_NO_VIDEO_CLASSES: dict = {}
-
-
 def _without_video(cls):
-    """Subclass of a stock processor that has no ``video_processor`` attribute.
+    from vlm_kv.loading import without_video_processor
 
-    Stock Qwen-VL / OneVision processors require a video processor, and video processors
-    need torchvision; ``ProcessorMixin`` derives its sub-processor list from the
-    ``__init__`` signature, so a signature without ``video_processor`` drops it. Images
-    and text behave exactly as in ``cls``.
-    """
-    if cls not in _NO_VIDEO_CLASSES:
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-        _NO_VIDEO_CLASSES[cls] = type(
-            f"Tiny{cls.__name__}", (cls,), {"__init__": __init__, "__module__": __name__}
-        )
-    return _NO_VIDEO_CLASSES[cls]
+    return without_video_processor(cls)
 
 
 def tiny_processor(family: str):
@@ -620,3 +605,26 @@ def tiny_processor(family: str):
         vision_aspect_ratio="anyres_max_9",
         chat_template=template,
     )
+
+
+def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
+    """Save ``tiny_model(family)`` and ``tiny_processor(family)`` to ``folder`` like a checkpoint
+    (the stock processor class name, so ``vlm_kv.loading.load_vlm`` / AutoProcessor find it)."""
+    import json
+    import os
+
+    if family in _TEXT_FAMILIES:
+        raise ValueError(f"save_tiny_vlm: {family!r} is a text family")
+    folder = str(folder)
+    tiny_model(family, seed=seed).save_pretrained(folder)
+    processor = tiny_processor(family)
+    processor.save_pretrained(folder)
+    cfg_path = os.path.join(folder, "processor_config.json")
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    cls = type(processor)
+    stock = cls.__mro__[1] if cls.__name__.endswith("WithoutVideo") else cls  # the class a checkpoint names
+    cfg["processor_class"] = stock.__name__
+    with open(cfg_path, "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2)
+    return folder
