@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from vlm_kv.budget import budget_arg as parse_budget
@@ -77,9 +78,34 @@ def _default_out(args: argparse.Namespace) -> str:
     return os.path.join("runs", "mathvision", f"{model}_{args.policy}_{args.budget}_{args.prompt}")
 
 
+def relaunch_args(args: argparse.Namespace) -> list[str] | None:
+    """With ``--num-processes N > 1`` outside a distributed launch: the command line that
+    ``python -m vlm_kv.eval`` needs to rerun this sub-command (without --num-processes)."""
+    n = getattr(args, "num_processes", None)
+    if not n or n <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    parser = args.parser
+    argv = [args.eval_command]
+    for action in parser._actions:
+        if action.dest in ("help", "num_processes", "parser", "func") or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                argv.append(action.option_strings[0])
+        elif value is not None and value != action.default:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
 def cmd_mathvision(args: argparse.Namespace) -> int:
     from .mathvision_data import default_data_dir, load_problems
     from .mathvision_run import RESULT_FILE, run_mathvision
+    from .shard import current_shard, launch, run_mathvision_sharded
+
+    relaunch = relaunch_args(args)
+    if relaunch is not None:
+        return launch(args.num_processes, relaunch)
 
     data = args.data or default_data_dir()
     if data is None:
@@ -95,9 +121,11 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
 
     from vlm_kv.loading import load_vlm
 
-    model, processor = load_vlm(args.model, args.device, args.dtype)
+    shard = current_shard()
+    model, processor = load_vlm(args.model, args.device or shard.device, args.dtype)
     out_dir = args.out or _default_out(args)
-    summary = run_mathvision(
+    run = run_mathvision if shard.world == 1 else partial(run_mathvision_sharded, shard=shard)
+    summary = run(
         model,
         processor,
         problems,
@@ -110,6 +138,8 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         config_extra={"model": args.model, "data": problems.source, "split": args.split},
     )
+    if summary is None:  # a non-main process of a sharded run: the main one merged and reports
+        return 0
     print(json.dumps(summary.result, indent=4, ensure_ascii=False))
     print(
         f"mathvision: {summary.n_problems} problems ({summary.n_generated} generated now, "
@@ -125,6 +155,12 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------
+
+
+def add_num_processes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="shard the problems over N processes (one per GPU, or CPU processes) and merge the "
+                   "results into --out, as `accelerate launch --num_processes N -m vlm_kv.eval ...` does")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -171,7 +207,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "bfloat16, float16, float32")
     p.add_argument("--retry-errors", action="store_true", help="run again the problems recorded with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_mathvision)
+    add_num_processes(p)
+    p.set_defaults(func=cmd_mathvision, parser=p)
 
     try:
         from vlm_kv.eval import mmdu_cli
