@@ -137,6 +137,8 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         retry_errors=args.retry_errors,
         progress=not args.no_progress,
         config_extra={"model": args.model, "data": problems.source, "split": args.split},
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
     )
     if summary is None:  # a non-main process of a sharded run: the main one merged and reports
         return 0
@@ -155,6 +157,13 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------
+
+
+def add_pixel_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="Qwen VL: least pixels per image (qwen-vl-utils' min_pixels, e.g. 200704 = 256*28*28)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="Qwen VL: most pixels per image (qwen-vl-utils' max_pixels, e.g. 1003520 = 1280*28*28)")
 
 
 def add_num_processes(p: argparse.ArgumentParser) -> None:
@@ -207,6 +216,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "bfloat16, float16, float32")
     p.add_argument("--retry-errors", action="store_true", help="run again the problems recorded with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_pixel_limits(p)
     add_num_processes(p)
     p.set_defaults(func=cmd_mathvision, parser=p)
 

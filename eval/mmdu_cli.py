@@ -66,6 +66,7 @@ def cmd_mmdu(args: argparse.Namespace) -> int:
     counts = answer(
         model, processor, data, out,
         policy=args.policy, budget=args.budget, max_new_tokens=args.max_new_tokens, config=config,
+        min_pixels=args.min_pixels, max_pixels=args.max_pixels,
     )
     if counts is None:  # a non-main process of a sharded run: the main one merged, judges and reports
         return 0
@@ -106,8 +107,9 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-judge", action="store_true", help="answers and ROUGE-L only")
     p.add_argument("--judge-max-new-tokens", type=int, default=1024, help="judge reply length")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
-    from vlm_kv.eval.cli import add_num_processes
+    from vlm_kv.eval.cli import add_num_processes, add_pixel_limits
 
+    add_pixel_limits(p)
     add_num_processes(p)
     p.set_defaults(func=cmd_mmdu, parser=p)
     return p
