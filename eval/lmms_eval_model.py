@@ -19,7 +19,8 @@ Model arguments: ``pretrained`` (local folder, required), ``policy`` (default ``
 ``full`` = no compression), ``budget`` (fraction 0.1 or tokens per KV head 256; default 0.25),
 ``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates`` (passed to
 ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
-``max_new_tokens`` (default when a task sets none). It is a "simple" lmms-eval model: requests
+``max_new_tokens`` (default when a task sets none), ``min_pixels`` / ``max_pixels`` (Qwen VL:
+images sized as qwen-vl-utils does, ``vlm_kv.vision_inputs``). It is a "simple" lmms-eval model: requests
 carry the prompt text and ``doc_to_visual``; images go before the text in one user turn.
 ``generate_until``: one request at a time, each on a fresh cache. ``generate_until_multi_round``
 (multi-turn tasks): every round of a document is prefilled on top of the same compressed cache,
@@ -51,7 +52,7 @@ MODEL_NAME = "vlm_kv"
 INSTALL_HINT = "pip install 'vlm-kv[lmms]'"
 
 _CACHE_ARGS = ("policy", "budget", "evict_every", "allocation", "slack", "seed", "gates")
-_LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens")
+_LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens", "min_pixels", "max_pixels")
 # passed by lmms-eval's harness on its own; accepted and ignored (one request at a time)
 _HARNESS_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_cache")
 DEFAULTS = {"policy": "snapkv", "budget": 0.25, "device": None, "dtype": "auto", "max_new_tokens": 1024}
@@ -90,6 +91,8 @@ _CONVERT = {
     "slack": _int("slack"),
     "seed": _int("seed"),
     "max_new_tokens": _int("max_new_tokens"),
+    "min_pixels": _int("min_pixels"),
+    "max_pixels": _int("max_pixels"),
 }
 
 
@@ -172,7 +175,14 @@ class VLMKVGenerator:
     Independent of lmms-eval; the lmms-eval class delegates to it.
     """
 
-    def __init__(self, model, processor, cache_kwargs: Mapping[str, Any], max_new_tokens: int = 1024):
+    def __init__(self, model, processor, cache_kwargs: Mapping[str, Any], max_new_tokens: int = 1024,
+                 min_pixels: int | None = None, max_pixels: int | None = None):
+        from vlm_kv.vision_inputs import is_qwen_vl_processor
+
+        self.qwen_sizing = is_qwen_vl_processor(processor)  # images sized as qwen-vl-utils does
+        if not self.qwen_sizing and (min_pixels is not None or max_pixels is not None):
+            raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(processor).__name__}")
+        self.pixel_limits = {"min_pixels": min_pixels, "max_pixels": max_pixels}
         self.model = model
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -183,20 +193,30 @@ class VLMKVGenerator:
 
     @classmethod
     def from_pretrained(cls, pretrained: str, cache_kwargs: Mapping[str, Any], *, device: str | None = None,
-                        dtype: str = "auto", max_new_tokens: int = 1024) -> "VLMKVGenerator":
+                        dtype: str = "auto", max_new_tokens: int = 1024, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> "VLMKVGenerator":
         from vlm_kv.loading import load_vlm
 
         model, processor = load_vlm(pretrained, device, dtype)
-        return cls(model, processor, cache_kwargs, max_new_tokens)
+        return cls(model, processor, cache_kwargs, max_new_tokens, min_pixels, max_pixels)
 
     def _inputs(self, context: str, images: list) -> dict:
         import torch
 
         text = re.sub(r"<image>\s*", "", context or "").strip() if images else (context or "")
         content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+        messages = [{"role": "user", "content": content}]
+        size_kwargs = {}
+        if self.qwen_sizing and images:
+            from vlm_kv.vision_inputs import qwen_vision_info
+
+            sized = iter(qwen_vision_info(messages, self.processor, **self.pixel_limits)[0])
+            messages = [{"role": "user", "content": [dict(c, image=next(sized)) if c["type"] == "image" else c
+                                                     for c in content]}]
+            size_kwargs = {"do_resize": False}
         enc = self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
-            return_dict=True, return_tensors="pt",
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            **size_kwargs,
         )
         param = next(self.model.parameters())
         out = {}
@@ -255,7 +275,7 @@ class VLMKVGenerator:
             raise NotImplementedError("vlm_kv lmms-eval model: multi-round generation is greedy only")
         max_new = int(gen_kwargs.get("max_new_tokens") or self.max_new_tokens)
         cache = make_cache(self.model, **self.cache_kwargs)
-        runner = DialogRunner(self.model, self.processor, cache, max_new_tokens=max_new)
+        runner = DialogRunner(self.model, self.processor, cache, max_new_tokens=max_new, **self.pixel_limits)
         answers: list[str] = []
         info = None
         round_idx = 0
@@ -321,7 +341,8 @@ def lmms_class():
             self.cache_kwargs = cache
             self.generator = VLMKVGenerator.from_pretrained(
                 load["pretrained"], cache, device=load["device"], dtype=load["dtype"],
-                max_new_tokens=load["max_new_tokens"],
+                max_new_tokens=load["max_new_tokens"], min_pixels=load.get("min_pixels"),
+                max_pixels=load.get("max_pixels"),
             )
 
         def generate_until(self, requests) -> list[str]:

@@ -103,3 +103,11 @@ def test_multi_round_rounds_share_one_compressed_cache(lm):
     assert [c[0] for c in calls] == [1, 2]
     assert calls[0][1] == [answers[0]] and calls[0][2] is None
     assert calls[1][1] == list(answers) and calls[1][2] == {"round": 1}
+
+
+def test_max_pixels_model_argument_sizes_qwen_images(lm, tiny_folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "qwen_vl_utils", None)  # the torchvision-free sizing path
+    big = lem.lmms_class()(pretrained=str(tiny_folder), policy="snapkv", budget=48, max_pixels="4096", device="cpu")
+    image = Image.new("RGB", (500, 300))
+    assert lm.generator._inputs("What?", [image])["image_grid_thw"].tolist() == [[1, 6, 10]]  # processor limit
+    assert big.generator._inputs("What?", [image])["image_grid_thw"].tolist() == [[1, 12, 20]]
