@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-import warnings
+from functools import partial
 from pathlib import Path
 
 from vlm_kv.budget import budget_arg as parse_budget
@@ -78,25 +78,34 @@ def _default_out(args: argparse.Namespace) -> str:
     return os.path.join("runs", "mathvision", f"{model}_{args.policy}_{args.budget}_{args.prompt}")
 
 
-def _load_model(path: str, device: str | None, dtype_name: str):
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype_name == "auto":
-        dtype = "auto" if str(device).startswith("cuda") else torch.float32
-    else:
-        dtype = getattr(torch, dtype_name)
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    return model, processor
+def relaunch_args(args: argparse.Namespace) -> list[str] | None:
+    """With ``--num-processes N > 1`` outside a distributed launch: the command line that
+    ``python -m vlm_kv.eval`` needs to rerun this sub-command (without --num-processes)."""
+    n = getattr(args, "num_processes", None)
+    if not n or n <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    parser = args.parser
+    argv = [args.eval_command]
+    for action in parser._actions:
+        if action.dest in ("help", "num_processes", "parser", "func") or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                argv.append(action.option_strings[0])
+        elif value is not None and value != action.default:
+            argv += [action.option_strings[0], str(value)]
+    return argv
 
 
 def cmd_mathvision(args: argparse.Namespace) -> int:
     from .mathvision_data import default_data_dir, load_problems
     from .mathvision_run import RESULT_FILE, run_mathvision
+    from .shard import current_shard, launch, run_mathvision_sharded
+
+    relaunch = relaunch_args(args)
+    if relaunch is not None:
+        return launch(args.num_processes, relaunch)
 
     data = args.data or default_data_dir()
     if data is None:
@@ -110,9 +119,13 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         for pid, err in problems.errors[:10]:
             print(f"  {pid}: {err}", file=sys.stderr)
 
-    model, processor = _load_model(args.model, args.device, args.dtype)
+    from vlm_kv.loading import load_vlm
+
+    shard = current_shard()
+    model, processor = load_vlm(args.model, args.device or shard.device, args.dtype)
     out_dir = args.out or _default_out(args)
-    summary = run_mathvision(
+    run = run_mathvision if shard.world == 1 else partial(run_mathvision_sharded, shard=shard)
+    summary = run(
         model,
         processor,
         problems,
@@ -124,7 +137,11 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         retry_errors=args.retry_errors,
         progress=not args.no_progress,
         config_extra={"model": args.model, "data": problems.source, "split": args.split},
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
     )
+    if summary is None:  # a non-main process of a sharded run: the main one merged and reports
+        return 0
     print(json.dumps(summary.result, indent=4, ensure_ascii=False))
     print(
         f"mathvision: {summary.n_problems} problems ({summary.n_generated} generated now, "
@@ -140,6 +157,19 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------
+
+
+def add_pixel_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="Qwen VL: least pixels per image (qwen-vl-utils' min_pixels, e.g. 200704 = 256*28*28)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="Qwen VL: most pixels per image (qwen-vl-utils' max_pixels, e.g. 1003520 = 1280*28*28)")
+
+
+def add_num_processes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="shard the problems over N processes (one per GPU, or CPU processes) and merge the "
+                   "results into --out, as `accelerate launch --num_processes N -m vlm_kv.eval ...` does")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -186,14 +216,16 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "bfloat16, float16, float32")
     p.add_argument("--retry-errors", action="store_true", help="run again the problems recorded with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_mathvision)
+    add_pixel_limits(p)
+    add_num_processes(p)
+    p.set_defaults(func=cmd_mathvision, parser=p)
 
     try:
-        from vlm_kv.eval import mmdu_cli  # added by another module; optional
-    except ImportError as exc:
-        if getattr(exc, "name", None) not in ("vlm_kv.eval.mmdu_cli", "vlm_kv.eval"):
-            warnings.warn(f"the eval mmdu sub-command is unavailable: {exc}", RuntimeWarning, stacklevel=2)
-        mmdu_cli = None
-    if mmdu_cli is not None and hasattr(mmdu_cli, "register"):
+        from vlm_kv.eval import mmdu_cli
+    except ImportError as exc:  # shown as unavailable, with the reason, rather than hidden
+        from vlm_kv.cli import add_unavailable
+
+        add_unavailable(eval_sub, "mmdu", "vlm_kv.eval.mmdu_cli", exc)
+    else:
         mmdu_cli.register(eval_sub)
     return eval_parser

@@ -1,28 +1,31 @@
-"""Optional lmms-eval integration: a Qwen2.5-VL / LLaVA model generating on a vlm-kv cache.
+"""lmms-eval integration: a local VLM generating on a vlm-kv cache, as lmms-eval model ``vlm_kv``.
 
-lmms-eval (``pip install lmms-eval``) is not a dependency; it is imported only when the model
-class is asked for. The cache settings are model arguments, as lmms-eval passes them::
+Install with ``pip install 'vlm-kv[lmms]'``; the package declares an ``lmms_eval.models`` entry
+point, so lmms-eval's own command line finds the model by name::
 
-    python -m vlm_kv.eval.lmms_eval_model --model vlm_kv \\
-        --model_args pretrained=/models/Qwen2.5-VL-7B-Instruct,policy=snapkv,budget=0.1 \\
+    python -m lmms_eval --model vlm_kv \
+        --model_args pretrained=/models/Qwen2.5-VL-7B-Instruct,policy=snapkv,budget=0.1 \
         --tasks mme --batch_size 1 --output_path logs/
 
-(this module registers the class under the name ``vlm_kv`` with lmms-eval's registry, then
-runs lmms-eval's own command line), or from Python::
+(``python -m vlm_kv.eval.lmms_eval_model ...`` does the same: it registers the class and runs
+lmms-eval's command line). A MathVision task that runs offline: ``vlm_kv.eval.lmms_tasks``.
+From Python::
 
     from vlm_kv.eval.lmms_eval_model import lmms_class
-    VLMKV = lmms_class()   # registered as "vlm_kv"
-    lm = VLMKV(pretrained="/models/Qwen2.5-VL-7B-Instruct", policy="snapkv", budget=0.1)
+    lm = lmms_class()(pretrained="/models/Qwen2.5-VL-7B-Instruct", policy="snapkv", budget=0.1)
     lmms_eval.evaluator.simple_evaluate(model=lm, tasks=["mme"], batch_size=1)
 
 Model arguments: ``pretrained`` (local folder, required), ``policy`` (default ``snapkv``;
 ``full`` = no compression), ``budget`` (fraction 0.1 or tokens per KV head 256; default 0.25),
 ``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates`` (passed to
 ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
-``max_new_tokens`` (default when a task sets none). It is a "simple" (legacy) lmms-eval model:
-requests carry the prompt text and ``doc_to_visual``; images go before the text in one user
-turn. One request at a time, each on a fresh cache. ``loglikelihood`` and multi-round generation
-are not implemented (they raise ``NotImplementedError``).
+``max_new_tokens`` (default when a task sets none), ``min_pixels`` / ``max_pixels`` (Qwen VL:
+images sized as qwen-vl-utils does, ``vlm_kv.vision_inputs``). It is a "simple" lmms-eval model: requests
+carry the prompt text and ``doc_to_visual``; images go before the text in one user turn.
+``generate_until``: one request at a time, each on a fresh cache. ``generate_until_multi_round``
+(multi-turn tasks): every round of a document is prefilled on top of the same compressed cache,
+with the model's own earlier answers as history (``vlm_kv.eval.mmdu_run.DialogRunner``).
+``loglikelihood`` is not implemented (it raises ``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from vlm_kv.api import cache_kwarg
 
 __all__ = [
     "MODEL_NAME",
+    "lmms_manifest",
     "INSTALL_HINT",
     "parse_model_args",
     "split_model_args",
@@ -45,10 +49,10 @@ __all__ = [
 ]
 
 MODEL_NAME = "vlm_kv"
-INSTALL_HINT = "pip install lmms-eval"
+INSTALL_HINT = "pip install 'vlm-kv[lmms]'"
 
 _CACHE_ARGS = ("policy", "budget", "evict_every", "allocation", "slack", "seed", "gates")
-_LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens")
+_LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens", "min_pixels", "max_pixels")
 # passed by lmms-eval's harness on its own; accepted and ignored (one request at a time)
 _HARNESS_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_cache")
 DEFAULTS = {"policy": "snapkv", "budget": 0.25, "device": None, "dtype": "auto", "max_new_tokens": 1024}
@@ -87,6 +91,8 @@ _CONVERT = {
     "slack": _int("slack"),
     "seed": _int("seed"),
     "max_new_tokens": _int("max_new_tokens"),
+    "min_pixels": _int("min_pixels"),
+    "max_pixels": _int("max_pixels"),
 }
 
 
@@ -169,7 +175,14 @@ class VLMKVGenerator:
     Independent of lmms-eval; the lmms-eval class delegates to it.
     """
 
-    def __init__(self, model, processor, cache_kwargs: Mapping[str, Any], max_new_tokens: int = 1024):
+    def __init__(self, model, processor, cache_kwargs: Mapping[str, Any], max_new_tokens: int = 1024,
+                 min_pixels: int | None = None, max_pixels: int | None = None):
+        from vlm_kv.vision_inputs import is_qwen_vl_processor
+
+        self.qwen_sizing = is_qwen_vl_processor(processor)  # images sized as qwen-vl-utils does
+        if not self.qwen_sizing and (min_pixels is not None or max_pixels is not None):
+            raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(processor).__name__}")
+        self.pixel_limits = {"min_pixels": min_pixels, "max_pixels": max_pixels}
         self.model = model
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -180,33 +193,30 @@ class VLMKVGenerator:
 
     @classmethod
     def from_pretrained(cls, pretrained: str, cache_kwargs: Mapping[str, Any], *, device: str | None = None,
-                        dtype: str = "auto", max_new_tokens: int = 1024) -> "VLMKVGenerator":
-        import os
+                        dtype: str = "auto", max_new_tokens: int = 1024, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> "VLMKVGenerator":
+        from vlm_kv.loading import load_vlm
 
-        import torch
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        if not os.path.isdir(str(pretrained)):
-            raise FileNotFoundError(f"model folder not found: {pretrained} (pretrained= must be a local folder)")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            torch_dtype = "auto" if str(device).startswith("cuda") else torch.float32
-        else:
-            torch_dtype = getattr(torch, str(dtype))
-        processor = AutoProcessor.from_pretrained(pretrained)
-        model = AutoModelForImageTextToText.from_pretrained(pretrained, dtype=torch_dtype)
-        model.to(device).eval()
-        return cls(model, processor, cache_kwargs, max_new_tokens)
+        model, processor = load_vlm(pretrained, device, dtype)
+        return cls(model, processor, cache_kwargs, max_new_tokens, min_pixels, max_pixels)
 
     def _inputs(self, context: str, images: list) -> dict:
         import torch
 
         text = re.sub(r"<image>\s*", "", context or "").strip() if images else (context or "")
         content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+        messages = [{"role": "user", "content": content}]
+        size_kwargs = {}
+        if self.qwen_sizing and images:
+            from vlm_kv.vision_inputs import qwen_vision_info
+
+            sized = iter(qwen_vision_info(messages, self.processor, **self.pixel_limits)[0])
+            messages = [{"role": "user", "content": [dict(c, image=next(sized)) if c["type"] == "image" else c
+                                                     for c in content]}]
+            size_kwargs = {"do_resize": False}
         enc = self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
-            return_dict=True, return_tensors="pt",
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            **size_kwargs,
         )
         param = next(self.model.parameters())
         out = {}
@@ -246,14 +256,62 @@ class VLMKVGenerator:
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         if hasattr(cache, "kv_bytes"):
             self.last_kv_bytes = int(cache.kv_bytes()["total"])
-        until = gen_kwargs.get("until") or []
-        for stop in [until] if isinstance(until, str) else until:
-            if stop and stop in text:
-                text = text.split(stop, 1)[0]
-        return text
+        return _cut_at_stop(text, gen_kwargs.get("until"))
+
+
+    def dialog(self, doc, context: str, visuals, doc_to_text, gen_kwargs: Mapping[str, Any] | None = None) -> tuple:
+        """All rounds of one multi-round document on one cache: the rounds' answers, in order.
+
+        Round 0 is ``context`` + ``visuals``; round ``r > 0`` comes from lmms-eval's
+        ``doc_to_text(doc, previous_output=answers, round_idx=r, previous_round_info=info)``,
+        which returns ``(visuals, context, terminal, answers, info)`` and ends the dialog with
+        ``terminal``."""
+        from vlm_kv.api import make_cache
+        from vlm_kv.eval.mmdu_data import IMAGE_TAG
+        from vlm_kv.eval.mmdu_run import DialogRunner
+
+        gen_kwargs = dict(gen_kwargs or {})
+        if gen_kwargs.get("do_sample") and float(gen_kwargs.get("temperature") or 0) > 0:
+            raise NotImplementedError("vlm_kv lmms-eval model: multi-round generation is greedy only")
+        max_new = int(gen_kwargs.get("max_new_tokens") or self.max_new_tokens)
+        cache = make_cache(self.model, **self.cache_kwargs)
+        runner = DialogRunner(self.model, self.processor, cache, max_new_tokens=max_new, **self.pixel_limits)
+        answers: list[str] = []
+        info = None
+        round_idx = 0
+        while True:
+            if round_idx > 0:
+                visuals, context, terminal, answers, info = doc_to_text(
+                    doc, previous_output=list(answers), round_idx=round_idx, previous_round_info=info)
+                answers = list(answers)
+                if terminal:
+                    break
+            images = _as_images(visuals)
+            text = re.sub(r"<image>\s*", "", context or "").strip() if images else (context or "")
+            turn = runner.run_turn(IMAGE_TAG * len(images) + text, images)
+            answers.append(_cut_at_stop(turn.answer, gen_kwargs.get("until")))
+            round_idx += 1
+        if hasattr(cache, "kv_bytes"):
+            self.last_kv_bytes = int(cache.kv_bytes()["total"])
+        return tuple(answers)
+
+
+def _cut_at_stop(text: str, until) -> str:
+    for stop in [until] if isinstance(until, str) else (until or []):
+        if stop and stop in text:
+            text = text.split(stop, 1)[0]
+    return text
 
 
 # ----------------------------------------------------------------------------- lmms-eval class
+
+
+def lmms_manifest():
+    """lmms-eval's ``lmms_eval.models`` entry point: the manifest naming our model class."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(model_id=MODEL_NAME, simple_class_path=f"{__name__}.VLMKVLmms")
+
 
 _CLASS = None
 
@@ -283,7 +341,8 @@ def lmms_class():
             self.cache_kwargs = cache
             self.generator = VLMKVGenerator.from_pretrained(
                 load["pretrained"], cache, device=load["device"], dtype=load["dtype"],
-                max_new_tokens=load["max_new_tokens"],
+                max_new_tokens=load["max_new_tokens"], min_pixels=load.get("min_pixels"),
+                max_pixels=load.get("max_pixels"),
             )
 
         def generate_until(self, requests) -> list[str]:
@@ -300,8 +359,14 @@ def lmms_class():
         def loglikelihood(self, requests):
             raise NotImplementedError("vlm_kv lmms-eval model: loglikelihood is not implemented (generation tasks only)")
 
-        def generate_until_multi_round(self, requests):
-            raise NotImplementedError("vlm_kv lmms-eval model: multi-round generation is not implemented")
+        def generate_until_multi_round(self, requests) -> list:
+            results = []
+            for request in requests:
+                context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split = request.args
+                doc = self.task_dict[task][split][doc_id]
+                visuals = doc_to_visual(doc) if doc_to_visual else []
+                results.append(self.generator.dialog(doc, context, visuals, doc_to_text, gen_kwargs))
+            return results
 
     try:
         from lmms_eval.api.registry import register_model

@@ -3,10 +3,10 @@
 For every problem: build the prompt (:mod:`.mathvision_prompt`), render it
 with the processor's chat template, run the processor on text + image, make a
 fresh cache with ``vlm_kv.make_cache(model, policy=..., budget=...)`` and call
-``model.generate(**inputs, past_key_values=cache, max_new_tokens=...,
-do_sample=False)`` (greedy, as the reference runs).  The new tokens are
-decoded and scored right away with the authors' rules
-(:mod:`.mathvision_score`).
+``model.generate(**inputs, cache=cache, max_new_tokens=..., do_sample=False)``
+(greedy, as the reference runs; ``cache=`` is transformers 5.x's name, ``past_key_values=``
+before it, see ``vlm_kv.api.cache_kwarg``).  The new tokens are decoded and scored right away
+with the authors' rules (:mod:`.mathvision_score`).
 
 Output folder
 -------------
@@ -62,7 +62,7 @@ RESULT_FILE = "mathvision_result.json"
 SUMMARY_FILE = "summary.json"
 
 # settings that must match when a run is resumed in the same folder
-_RESUME_KEYS = ("policy", "budget", "prompt", "max_new_tokens")
+_RESUME_KEYS = ("policy", "budget", "prompt", "max_new_tokens", "min_pixels", "max_pixels")
 
 
 @dataclass
@@ -99,12 +99,22 @@ def _decode(processor: Any, ids) -> str:
     return decode(ids, skip_special_tokens=True)[0]
 
 
-def _model_inputs(model: Any, processor: Any, problem: MathVisionProblem, image: Any, prompt_style: str):
+def _model_inputs(model: Any, processor: Any, problem: MathVisionProblem, image: Any, prompt_style: str,
+                  min_pixels: int | None = None, max_pixels: int | None = None):
     import torch
+
+    from vlm_kv.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 
     messages = build_messages(problem, prompt_style)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    if is_qwen_vl_processor(processor):  # sized as qwen-vl-utils does, the processor keeps the size
+        messages[0]["content"][0]["image"] = image
+        images, _, _ = qwen_vision_info(messages, processor, min_pixels=min_pixels, max_pixels=max_pixels)
+        inputs = processor(text=[text], images=images, do_resize=False, return_tensors="pt")
+    elif min_pixels is not None or max_pixels is not None:
+        raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(processor).__name__}")
+    else:
+        inputs = processor(text=[text], images=[image], return_tensors="pt")
     device = getattr(model, "device", None)
     dtype = getattr(model, "dtype", None)
     moved = {}
@@ -130,6 +140,8 @@ def generate_response(
     make_cache: Callable[..., Any] | None = None,
     cache_kwargs: dict[str, Any] | None = None,
     image: Any = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Generate one response on a fresh cache: ``(text, info)``.
 
@@ -143,9 +155,11 @@ def generate_response(
         make_cache = _make_cache
     if image is None:
         image = problem.load_image()
-    inputs = _model_inputs(model, processor, problem, image, prompt_style)
+    inputs = _model_inputs(model, processor, problem, image, prompt_style, min_pixels, max_pixels)
     cache = make_cache(model, policy=policy, budget=budget, **(cache_kwargs or {}))
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+    from vlm_kv.api import cache_kwarg
+
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=max_new_tokens, do_sample=False)
     n_in = int(inputs["input_ids"].shape[1])
     new_ids = out[:, n_in:]
     n_new = int(new_ids.shape[1])
@@ -230,6 +244,8 @@ def run_mathvision(
     cache_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
     config_extra: dict[str, Any] | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> RunSummary:
     """Generate, score and aggregate MathVision problems; see the module docstring."""
     if prompt_style not in PROMPT_STYLES:
@@ -256,6 +272,8 @@ def run_mathvision(
         "max_new_tokens": max_new_tokens,
         "do_sample": False,
         "latex2sympy2": have_latex2sympy(),
+        **({"min_pixels": min_pixels} if min_pixels is not None else {}),
+        **({"max_pixels": max_pixels} if max_pixels is not None else {}),
         **(config_extra or {}),
     }
     _check_config(out, config)
@@ -297,7 +315,8 @@ def run_mathvision(
         for problem in todo:
             row = _run_one(model, processor, problem, policy=policy, budget=budget,
                            prompt_style=prompt_style, max_new_tokens=max_new_tokens,
-                           make_cache=make_cache, cache_kwargs=cache_kwargs)
+                           make_cache=make_cache, cache_kwargs=cache_kwargs,
+                           min_pixels=min_pixels, max_pixels=max_pixels)
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             fh.flush()
             latest[problem.id] = row

@@ -15,28 +15,16 @@ import gc
 import json
 import os
 import sys
+from functools import partial
 
 from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.loading import load_vlm  # module attribute: tests replace it
 
 
 
 def _default_out(args) -> str:
     model = os.path.basename(os.path.normpath(args.model)) or "model"
     return os.path.join("runs", "mmdu", f"{model}_{args.policy}_{args.budget}")
-
-
-def load_vlm(path: str, device: str | None = None):
-    """A transformers VLM and its processor from a local folder."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "auto" if str(device).startswith("cuda") else torch.float32
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    return model, processor
 
 
 def cmd_mmdu(args: argparse.Namespace) -> int:
@@ -46,6 +34,12 @@ def cmd_mmdu(args: argparse.Namespace) -> int:
     from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
     from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
 
+    from vlm_kv.eval.cli import relaunch_args
+    from vlm_kv.eval.shard import current_shard, generate_answers_sharded, launch
+
+    relaunch = relaunch_args(args)
+    if relaunch is not None:
+        return launch(args.num_processes, relaunch)
     if not args.no_judge and not args.judge:
         print("mmdu: give --judge PATH (a local chat model folder) or --no-judge", file=sys.stderr)
         return 2
@@ -66,11 +60,16 @@ def cmd_mmdu(args: argparse.Namespace) -> int:
     config = {"model": os.path.abspath(args.model), "data": os.path.abspath(args.data), "images": args.images}
 
     # 1. answers (the VLM), 2. free it, 3. judge (both rarely fit in memory at once)
-    model, processor = load_vlm(args.model, args.device)
-    counts = generate_answers(
+    shard = current_shard()
+    model, processor = load_vlm(args.model, args.device or shard.device)
+    answer = generate_answers if shard.world == 1 else partial(generate_answers_sharded, shard=shard)
+    counts = answer(
         model, processor, data, out,
         policy=args.policy, budget=args.budget, max_new_tokens=args.max_new_tokens, config=config,
+        min_pixels=args.min_pixels, max_pixels=args.max_pixels,
     )
+    if counts is None:  # a non-main process of a sharded run: the main one merged, judges and reports
+        return 0
     del model, processor
     gc.collect()
     if torch.cuda.is_available():
@@ -108,5 +107,9 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-judge", action="store_true", help="answers and ROUGE-L only")
     p.add_argument("--judge-max-new-tokens", type=int, default=1024, help="judge reply length")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
-    p.set_defaults(func=cmd_mmdu)
+    from vlm_kv.eval.cli import add_num_processes, add_pixel_limits
+
+    add_pixel_limits(p)
+    add_num_processes(p)
+    p.set_defaults(func=cmd_mmdu, parser=p)
     return p

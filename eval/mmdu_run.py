@@ -92,7 +92,7 @@ CONFIG_FILE = "run_config.json"
 _SENTINEL = "\u2063MMDU-ANSWER-SLOT-7f3a\u2063"
 _TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 # keys of the generation config that must match for a resumed run
-_CONFIG_KEYS = ("model", "data", "policy", "budget", "max_new_tokens", "cache_kwargs")
+_CONFIG_KEYS = ("model", "data", "policy", "budget", "max_new_tokens", "cache_kwargs", "min_pixels", "max_pixels")
 
 
 class CacheStateError(RuntimeError):
@@ -227,7 +227,15 @@ class DialogRunner:
     authors' scripts, which call each model's own chat function.
     """
 
-    def __init__(self, model, processor, cache, *, max_new_tokens: int = 2048):
+    def __init__(self, model, processor, cache, *, max_new_tokens: int = 2048, min_pixels: int | None = None,
+                 max_pixels: int | None = None):
+        from vlm_kv.vision_inputs import is_qwen_vl_processor
+
+        # Qwen VL: images sized as qwen-vl-utils does (min/max pixels), the processor keeps the size
+        self.qwen_sizing = is_qwen_vl_processor(processor)
+        if not self.qwen_sizing and (min_pixels is not None or max_pixels is not None):
+            raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(processor).__name__}")
+        self.pixel_limits = {"min_pixels": min_pixels, "max_pixels": max_pixels}
         self.model = model
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -242,9 +250,21 @@ class DialogRunner:
 
     # -- segment rendering ------------------------------------------------------------------
 
+    def _size_kwargs(self) -> dict:
+        return {"do_resize": False} if self.qwen_sizing else {}
+
+    def _sized(self, images: list) -> list:
+        if not self.qwen_sizing or not images:
+            return images
+        from vlm_kv.vision_inputs import qwen_vision_info
+
+        msgs = [{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]
+        return list(qwen_vision_info(msgs, self.processor, **self.pixel_limits)[0])
+
     def _render_first(self, user_msg: dict):
         return self.processor.apply_chat_template(
-            [user_msg], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            [user_msg], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            **self._size_kwargs(),
         )
 
     def next_segment_text(self, user_msg: dict) -> str:
@@ -264,6 +284,7 @@ class DialogRunner:
         kwargs: dict[str, Any] = {"text": [seg], "return_tensors": "pt", "add_special_tokens": False}
         if images:
             kwargs["images"] = images
+            kwargs.update(self._size_kwargs())
         return self.processor(**kwargs)
 
     # -- one turn ---------------------------------------------------------------------------
@@ -271,6 +292,7 @@ class DialogRunner:
     def run_turn(self, question: str, images: list) -> TurnOutput:
         t0 = time.perf_counter()
         st = self.state
+        images = self._sized(images)
         user_msg = _user_message(question, images)
         first = not self.messages
         enc = self._render_first(user_msg) if first else self._render_next(user_msg, images)
@@ -366,6 +388,8 @@ def run_dialog(
     max_new_tokens: int = 2048,
     cache_factory: Callable | None = None,
     cache_kwargs: dict | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> list[dict]:
     """All question records of one dialog (answers; unrunnable questions with ``skipped``)."""
     factory = cache_factory or _default_make_cache
@@ -397,7 +421,8 @@ def run_dialog(
             continue
         if runner is None:
             cache = factory(model, policy, budget, **(cache_kwargs or {}))
-            runner = DialogRunner(model, processor, cache, max_new_tokens=max_new_tokens)
+            runner = DialogRunner(model, processor, cache, max_new_tokens=max_new_tokens, min_pixels=min_pixels,
+                                  max_pixels=max_pixels)
         out = runner.run_turn(turn.question, images)
         rec.update(
             answer=out.answer,
@@ -508,12 +533,16 @@ def generate_answers(
     cache_factory: Callable | None = None,
     cache_kwargs: dict | None = None,
     progress: bool = True,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> dict[str, int]:
     """Phase 1: answer every dialog not yet in ``answers.jsonl``. Returns run/skip counts."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(config or {})
     cfg.update(policy=policy, budget=budget, max_new_tokens=max_new_tokens, cache_kwargs=cache_kwargs or {})
+    if min_pixels is not None or max_pixels is not None:
+        cfg.update(min_pixels=min_pixels, max_pixels=max_pixels)
     cfg.setdefault("data", data.path)
     _check_config(out, cfg)
     path = out / ANSWERS_FILE
@@ -532,6 +561,8 @@ def generate_answers(
             max_new_tokens=max_new_tokens,
             cache_factory=cache_factory,
             cache_kwargs=cache_kwargs,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
         )
         _append_dialog(path, rows)
         counts["dialogs_run"] += 1

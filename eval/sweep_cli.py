@@ -80,7 +80,7 @@ def _vlm_loader(args):
         raise ValueError(f"sweep --task {args.task} needs --model pointing to a local VLM folder, got {args.model!r}")
 
     def load():
-        from vlm_kv.eval.mmdu_cli import load_vlm
+        from vlm_kv.loading import load_vlm
 
         return load_vlm(args.model, args.device)
 

@@ -5,9 +5,15 @@ Sources (any mix, one ``--data`` file each):
 * plain text files: the whole file is one document;
 * JSONL with ``{"text": ...}``: one document per line;
 * VLM conversation JSONL, LLaVA style
-  ``{"conversations": [{"from": "human"|"gpt", "value": "...<image>..."}], "image": path | [paths]}``
+  ``{"conversations": [{"from": "human"|"gpt", "value": "...<image>...<video>..."}], "image": path | [paths],
+  "video": [frame paths] | [[frame paths], ...]}``
   or messages style ``{"messages": [{"role": ..., "content": str | [{"type": "image", "image": path},
-  {"type": "text", "text": ...}]}]}``; image paths are relative to the JSONL file's folder.
+  {"type": "video", "video": [frame paths]}, {"type": "text", "text": ...}]}]}``; paths are relative
+  to the JSONL file's folder. A video is a list of frame images, in order.
+
+Qwen VL processors get their images (and videos) through qwen-vl-utils' sizing
+(``vlm_kv.vision_inputs``: ``min_pixels`` / ``max_pixels``, default the processor's own limits).
+Videos go through the processor's video processor (transformers needs torchvision for it).
 
 Text documents are tokenized, joined with EOS and packed into ``max_length`` chunks (a tail
 shorter than half a chunk is dropped unless it is the only one). Each conversation is one
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,24 +49,36 @@ def _llava_to_messages(record: dict) -> list:
     if isinstance(images, str):
         images = [images]
     images = list(images)
+    videos = record.get("video", record.get("videos")) or []
+    if videos and all(isinstance(v, str) for v in videos):
+        videos = [videos]  # one video: a list of frames
+    videos = [list(v) for v in videos]
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
     messages = []
     for turn in record["conversations"]:
         role = roles.get(turn.get("from", "human"), "user")
-        parts = turn.get("value", "").split("<image>")
+        parts = re.split(r"(<image>|<video>)", turn.get("value", ""))
         content: list[dict] = []
-        for j, part in enumerate(parts):
-            if j > 0:
+        n_tags = sum(1 for part in parts if part in ("<image>", "<video>"))
+        for part in parts:
+            if part == "<image>":
                 if not images:
                     raise ValueError("conversation has more <image> tags than images")
                 content.append({"type": "image", "image": images.pop(0)})
-            part = part.strip("\n") if j > 0 or len(parts) > 1 else part
+                continue
+            if part == "<video>":
+                if not videos:
+                    raise ValueError("conversation has more <video> tags than videos")
+                content.append({"type": "video", "video": videos.pop(0)})
+                continue
+            part = part.strip("\n") if n_tags else part
             if part:
                 content.append({"type": "text", "text": part})
         messages.append({"role": role, "content": content})
-    if images:  # images without a tag: put them in front of the first user turn
+    if images or videos:  # media without a tag: put them in front of the first user turn
         first = next((m for m in messages if m["role"] == "user"), messages[0])
-        first["content"] = [{"type": "image", "image": p} for p in images] + first["content"]
+        first["content"] = ([{"type": "image", "image": p} for p in images]
+                            + [{"type": "video", "video": v} for v in videos] + first["content"])
     return messages
 
 
@@ -92,20 +111,42 @@ def _read_source(path: str) -> tuple[list[str], list[_Conversation]]:
                 raise ValueError(f"{path}:{n}: expected a 'text', 'conversations' or 'messages' field")
             for m in messages:
                 if isinstance(m.get("content"), list):
-                    m["content"] = [
-                        dict(c, image=resolve(c["image"])) if c.get("type") == "image" and isinstance(c.get("image"), str)
-                        else c
-                        for c in m["content"]
-                    ]
+                    m["content"] = [_resolve_item(c, resolve) for c in m["content"]]
             convs.append(_Conversation(messages))
     return texts, convs
+
+
+def _resolve_item(item: dict, resolve) -> dict:
+    if item.get("type") == "image" and isinstance(item.get("image"), str):
+        return dict(item, image=resolve(item["image"]))
+    if item.get("type") == "video":
+        frames = item.get("video")
+        if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+            raise ValueError(f"a video item needs a non-empty list of frame paths, got {frames!r}")
+        return dict(item, video=[resolve(f) for f in frames])
+    return item
+
+
+def _load_media(item: dict) -> dict:
+    from PIL import Image
+
+    def load(path: str):
+        with Image.open(path) as im:
+            return im.convert("RGB")
+
+    if item.get("type") == "image" and isinstance(item.get("image"), str):
+        return dict(item, image=load(item["image"]))
+    if item.get("type") == "video":
+        return dict(item, video=[load(f) if isinstance(f, str) else f for f in item["video"]])
+    return item
 
 
 class TrainingData:
     """A deterministic, resumable stream of training samples (dicts of [1, T] tensors)."""
 
     def __init__(self, files: list[str], processor: Any, max_length: int, seed: int = 0,
-                 image_token_id: int | None = None, video_token_id: int | None = None) -> None:
+                 image_token_id: int | None = None, video_token_id: int | None = None,
+                 min_pixels: int | None = None, max_pixels: int | None = None) -> None:
         if max_length < 2:
             raise ValueError("max_length must be >= 2")
         self.files = list(files)
@@ -115,6 +156,7 @@ class TrainingData:
         self.seed = seed
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
+        self.pixel_limits = {"min_pixels": min_pixels, "max_pixels": max_pixels}
         texts: list[str] = []
         self.conversations: list[_Conversation] = []
         for f in self.files:
@@ -151,20 +193,27 @@ class TrainingData:
     # ---------------------------------------------------------------- conversations
 
     def _render(self, conv: _Conversation) -> dict:
-        from PIL import Image
+        from vlm_kv.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 
         messages = []
         for m in conv.messages:
             content = m["content"]
             if isinstance(content, list):
-                content = [
-                    dict(c, image=Image.open(c["image"]).convert("RGB")) if c.get("type") == "image" and isinstance(c.get("image"), str)
-                    else c
-                    for c in content
-                ]
+                content = [_load_media(c) for c in content]
             messages.append({"role": m["role"], "content": content})
+        kwargs: dict[str, Any] = {}
+        if is_qwen_vl_processor(self.processor):  # qwen-vl-utils sizing; the processor keeps it
+            images, videos, video_kwargs = qwen_vision_info(messages, self.processor, **self.pixel_limits)
+            images, videos = iter(images or []), iter(videos or [])
+            messages = [{"role": m["role"], "content": [
+                dict(c, image=next(images)) if c.get("type") == "image" else
+                dict(c, video=next(videos)) if c.get("type") == "video" else c
+                for c in m["content"]]} if isinstance(m["content"], list) else m for m in messages]
+            kwargs = {"do_resize": False, **video_kwargs}
+        elif any(v is not None for v in self.pixel_limits.values()):
+            raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(self.processor).__name__}")
         out = self.processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
-                                                 add_generation_prompt=False)
+                                                 add_generation_prompt=False, **kwargs)
         out = {k: v for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
         return self._truncate(out)
 
@@ -173,6 +222,9 @@ class TrainingData:
         t = self.max_length
         if ids.shape[1] <= t:
             return enc
+        if "pixel_values_videos" in enc:  # cutting a video's frames apart is not supported: refuse
+            raise ValueError(f"a video conversation of {ids.shape[1]} tokens is longer than max_length {t}; "
+                             "raise max_length or use fewer / smaller frames")
         placeholder = {x for x in (self.image_token_id, self.video_token_id) if x is not None}
         row = ids[0].tolist()
         # keep the images whose placeholder run ends inside [0, t); cut before one that straddles t

@@ -45,6 +45,7 @@ import torch.nn as nn
 from vlm_kv.gates.hooks import SoftRetention
 from vlm_kv.gates.io import save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
+from vlm_kv.loading import load_model_and_processor
 from vlm_kv.train.data import TrainingData
 from vlm_kv.train.losses import capacity_loss, distill_losses
 
@@ -96,22 +97,6 @@ class GatedStudent(nn.Module):
         with SoftRetention(self.frozen, self.gates) as soft:
             logits = self.frozen(**inputs, use_cache=False).logits
         return logits, soft.log_betas
-
-
-def load_model_and_processor(name: str):
-    """``smollm2`` / a text model folder via ``vlm_kv.smollm2.load_model``; a VLM folder
-    (config with ``vision_config``) via AutoModelForImageTextToText + AutoProcessor."""
-    from vlm_kv.smollm2 import load_model
-
-    cfg_path = os.path.join(name, "config.json")
-    if name != "smollm2" and os.path.isfile(cfg_path):
-        with open(cfg_path) as fh:
-            if "vision_config" in json.load(fh):
-                from transformers import AutoModelForImageTextToText, AutoProcessor
-
-                model = AutoModelForImageTextToText.from_pretrained(name, dtype=torch.float32).eval()
-                return model, AutoProcessor.from_pretrained(name)
-    return load_model(name)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

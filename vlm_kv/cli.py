@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -197,13 +198,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policies", help="list the eviction policies")
     p.set_defaults(func=cmd_policies)
 
-    for module in ("vlm_kv.eval.cli", "vlm_kv.eval.sweep_cli", "vlm_kv.train.cli"):
+    for module, commands in _PLUGGED_COMMANDS:
         try:
-            mod = __import__(module, fromlist=["register"])
-        except ImportError:
+            mod = importlib.import_module(module)
+        except ImportError as exc:  # keep the command visible; say why it fails when used
+            for command in commands:
+                add_unavailable(sub, command, module, exc)
             continue
         mod.register(sub)
     return parser
+
+
+# modules that add their own sub-commands, and the commands each adds
+_PLUGGED_COMMANDS = (
+    ("vlm_kv.eval.cli", ("eval",)),
+    ("vlm_kv.eval.sweep_cli", ("sweep",)),
+    ("vlm_kv.train.cli", ("train-gates",)),
+)
+
+
+def add_unavailable(subparsers, command: str, module: str, error: BaseException) -> argparse.ArgumentParser:
+    """A sub-command whose module failed to import: listed in --help with the error, and
+    running it prints the error (exit 2) instead of argparse's 'invalid choice'."""
+    reason = f"{type(error).__name__}: {error}"
+    p = subparsers.add_parser(command, help=f"(unavailable: {module} failed to import: {reason})",
+                              add_help=False)
+
+    def unavailable(args: argparse.Namespace) -> int:
+        print(f"vlm-kv {command}: unavailable, importing {module} failed: {reason}", file=sys.stderr)
+        return 2
+
+    p.set_defaults(func=unavailable, unavailable=True)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     # spelling for compatibility across 5.x and do not want its notice in every tool's output
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "unavailable", False):  # an unavailable command takes any arguments
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from vlm_kv.budget import BudgetError
     from vlm_kv.smollm2 import ModelFileMissing
 

@@ -34,6 +34,7 @@ __all__ = [
     "tiny_inputs",
     "tiny_processor",
     "tiny_tokenizer",
+    "save_tiny_vlm",
 ]
 
 # one tiny model per supported family
@@ -316,6 +317,8 @@ def tiny_inputs(
     text_len: int = 12,
     left_pad: int = 0,
     seed: int = 0,
+    num_videos: int = 0,
+    num_frames: int = 4,
 ) -> dict:
     """Random inputs ready for ``model(**inputs)`` / ``model.generate(**inputs)``.
 
@@ -332,6 +335,18 @@ def tiny_inputs(
       ``pixel_values`` (n_images, max_tiles, 3, 16, 16) and ``image_sizes``.
     * LLaVA-OneVision: like NeXT plus ``batch_num_images``; rows with several images
       use the un-tiled multi-image path (like the real processor).
+
+    Videos (``num_videos`` > 0, ``num_frames`` synthetic frames each; Qwen VL and
+    LLaVA-OneVision only) follow the images, in the layout the family's video processor emits
+    (video processors need torchvision, so the tensors are drawn here directly):
+
+    * Qwen2-VL / 2.5-VL: one ``<|vision_start|> <|video_pad|>*n <|vision_end|>`` block per
+      video, grid ``(num_frames // 2, 4, 4)`` -> 4 tokens per temporal patch;
+      ``pixel_values_videos``, ``video_grid_thw``, ``mm_token_type_ids`` 2 on video tokens.
+    * Qwen3-VL: the same grid, one block per temporal patch (Qwen3-VL separates frames with
+      timestamps; any text between blocks does).
+    * LLaVA-OneVision: ``<video>`` * (tokens the model's video path returns: 4 per frame + 1);
+      ``pixel_values_videos`` (batch, num_frames, 3, 16, 16).
 
     Text families ignore ``num_images``. Row 0 has ``text_len`` text tokens; with
     ``left_pad > 0`` row i>0 has ``i * left_pad`` fewer text tokens and is left-padded
@@ -399,13 +414,18 @@ def tiny_inputs(
         # same sizes in every row -> take the first row's counts
         image_blocks = [[LLAVA_IMAGE_ID] * c for c in counts[:num_images]]
 
+    # ---- video side
+    video_blocks: list[int] = []
+    if num_videos:
+        video_blocks = _tiny_videos(model, family, out, batch_size, num_videos, num_frames, gen, device, dtype)
+
     # ---- token side
     rows: list[list[int]] = []
     for i in range(batch_size):
         n_text = text_len - pads[i]
         text = torch.randint(_NUM_SPECIAL, TINY_VOCAB_SIZE, (n_text,), generator=gen).tolist()
         n_a = max(1, n_text // 3)
-        row = [BOS_ID] + text[:n_a] + list(itertools.chain.from_iterable(image_blocks)) + text[n_a:]
+        row = [BOS_ID] + text[:n_a] + list(itertools.chain.from_iterable(image_blocks)) + video_blocks + text[n_a:]
         rows.append(row)
     max_len = max(len(r) for r in rows)
     input_ids = torch.full((batch_size, max_len), PAD_ID, dtype=torch.long)
@@ -420,6 +440,42 @@ def tiny_inputs(
         mm[input_ids == QWEN_VIDEO_ID] = 2
         out["mm_token_type_ids"] = mm.to(device)
     return out
+
+
+_QWEN_VIDEO_HW = (4, 4)  # patches per frame of the tiny videos -> 4 tokens after the 2x2 merge
+
+
+def _tiny_videos(model, family, out, batch_size, num_videos, num_frames, gen, device, dtype) -> list[int]:
+    """Adds the video tensors of ``num_videos`` synthetic videos per row to ``out``; returns the
+    placeholder tokens of one row's videos."""
+    if num_videos < 0 or num_frames < 1:
+        raise ValueError("num_videos must be >= 0 and num_frames >= 1")
+    if family in _QWEN_VL_FAMILIES:
+        tp = int(model.config.vision_config.temporal_patch_size)
+        if num_frames % tp:
+            raise ValueError(f"num_frames must be a multiple of the temporal patch size {tp}, got {num_frames}")
+        t, (h, w) = num_frames // tp, _QWEN_VIDEO_HW
+        per_step = h * w // _merge_size(model) ** 2
+        out["pixel_values_videos"] = torch.randn(batch_size * num_videos * t * h * w, _qwen_patch_dim(model),
+                                                 generator=gen).to(device, dtype)
+        out["video_grid_thw"] = torch.tensor([[t, h, w]] * (batch_size * num_videos), dtype=torch.long,
+                                             device=device)
+        if family == "qwen3_vl":
+            block = ([QWEN_VISION_START_ID] + [QWEN_VIDEO_ID] * per_step + [QWEN_VISION_END_ID]) * t
+        else:
+            block = [QWEN_VISION_START_ID] + [QWEN_VIDEO_ID] * (per_step * t) + [QWEN_VISION_END_ID]
+        return block * num_videos
+    if family == "llava_onevision":
+        if num_videos != 1:
+            raise ValueError("tiny LLaVA-OneVision inputs hold at most one video per row")
+        size = model.config.vision_config.image_size
+        pixels = torch.randn(batch_size, num_frames, 3, size, size, generator=gen).to(device, dtype)
+        out["pixel_values_videos"] = pixels
+        base = model.model if hasattr(model, "model") else model
+        with torch.no_grad():
+            feats = base.get_video_features(pixel_values_videos=pixels[:1], return_dict=True).pooler_output
+        return [LLAVA_VIDEO_ID] * int(feats.shape[1])
+    raise ValueError(f"tiny video inputs exist for the Qwen VL families and llava_onevision, not {family!r}")
 
 
 def _merge_size(model) -> int:
@@ -522,26 +578,10 @@ def tiny_tokenizer(family: str):
     return hf
 
 
-_NO_VIDEO_CLASSES: dict = {}
-
-
 def _without_video(cls):
-    """Subclass of a stock processor that has no ``video_processor`` attribute.
+    from vlm_kv.loading import without_video_processor
 
-    Stock Qwen-VL / OneVision processors require a video processor, and video processors
-    need torchvision; ``ProcessorMixin`` derives its sub-processor list from the
-    ``__init__`` signature, so a signature without ``video_processor`` drops it. Images
-    and text behave exactly as in ``cls``.
-    """
-    if cls not in _NO_VIDEO_CLASSES:
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-        _NO_VIDEO_CLASSES[cls] = type(
-            f"Tiny{cls.__name__}", (cls,), {"__init__": __init__, "__module__": __name__}
-        )
-    return _NO_VIDEO_CLASSES[cls]
+    return without_video_processor(cls)
 
 
 def tiny_processor(family: str):
@@ -635,3 +675,25 @@ def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16):
     for p in gates.parameters():
         torch.nn.init.normal_(p, std=1.0)
     return gates
+
+def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
+    """Save ``tiny_model(family)`` and ``tiny_processor(family)`` to ``folder`` like a checkpoint
+    (the stock processor class name, so ``vlm_kv.loading.load_vlm`` / AutoProcessor find it)."""
+    import json
+    import os
+
+    if family in _TEXT_FAMILIES:
+        raise ValueError(f"save_tiny_vlm: {family!r} is a text family")
+    folder = str(folder)
+    tiny_model(family, seed=seed).save_pretrained(folder)
+    processor = tiny_processor(family)
+    processor.save_pretrained(folder)
+    cfg_path = os.path.join(folder, "processor_config.json")
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    cls = type(processor)
+    stock = cls.__mro__[1] if cls.__name__.endswith("WithoutVideo") else cls  # the class a checkpoint names
+    cfg["processor_class"] = stock.__name__
+    with open(cfg_path, "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2)
+    return folder

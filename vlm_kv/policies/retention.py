@@ -22,7 +22,8 @@ class RetentionScorer(Scorer):
 
     ``num_sinks`` first tokens are always kept (attention sinks, as in StreamingLLM). Gates
     trained on short sequences do not learn that the first tokens must outlive thousands of
-    steps; protecting them cuts SmolLM2's KL at a 0.1 budget about six-fold (see README).
+    steps; protecting them cuts SmolLM2's KL at a 0.1 budget 4.8-fold (0.342 -> 0.071 in the
+    README's fidelity table).
     ``num_sinks=0`` gives the reference behaviour."""
 
     name: ClassVar[str] = "retention"
