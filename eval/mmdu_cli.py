@@ -1,6 +1,9 @@
-"""``mmdu`` sub-command of the eval command line (registered by eval/cli.py via ``register``).
+"""``vlm-kv eval mmdu``: MMDU dialogs on a compressed cache, judged by a local model."""
 
-    ... mmdu --model PATH --data FILE --images DIR --judge PATH --policy NAME --budget F
+from __future__ import annotations
+
+DESCRIPTION = """\
+    vlm-kv eval mmdu --model PATH --data FILE --images DIR --judge PATH --policy NAME --budget F
              [--limit N] [--out DIR] [--max-new-tokens N] [--no-judge]
 
 Answers every dialog turn by turn on one (compressed) cache per dialog, then frees the model,
@@ -8,7 +11,6 @@ loads the judge from its folder and judges each question; see ``vlm_kv.eval.mmdu
 Rerunning with the same --out resumes: finished dialogs are skipped.
 """
 
-from __future__ import annotations
 
 import argparse
 import gc
@@ -91,7 +93,7 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
     p = eval_subparsers.add_parser(
         "mmdu",
         help="MMDU multi-turn multi-image dialogs on a compressed cache, judged by a local model",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="local folder of a transformers VLM (and its processor)")

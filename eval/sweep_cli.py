@@ -8,7 +8,6 @@
 
 The full cache runs once as the reference. Rerunning with the same --out skips finished
 (policy, budget) rows. Output: sweep_<task>.json / .csv and sweep_<task>_<metric>_vs_*.png in --out.
-``register(subparsers)`` adds the command to the main ``vlm-kv`` parser.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm-kv", description="Compressed KV caches for VLMs and LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="SmolLM2 answers a question about a long text, full vs compressed cache")
+    p = sub.add_parser("demo", help="SmolLM2 answers two turns of questions about a long text, full vs compressed cache")
     p.add_argument("--policy", default="dbtrimkv", help="default: the learned gates shipped for SmolLM2")
     p.add_argument("--budget", default="0.25")
     p.add_argument("--max-new-tokens", type=int, default=48)
