@@ -8,6 +8,8 @@ previous one held (mean) and its peak. A plain ``DynamicCache`` (the full cache)
 
 from __future__ import annotations
 
+from vlm_kv.report import layer_tensor_bytes
+
 __all__ = ["CacheMeter", "MeteredDynamicCache", "cache_bytes"]
 
 
@@ -73,12 +75,7 @@ class MeteredDynamicCache:
         if sub is None:
 
             def kv_bytes(self):
-                total = 0
-                for layer in getattr(self, "layers", []):
-                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                        if hasattr(t, "nbytes"):
-                            total += int(t.nbytes)
-                return {"total": total}
+                return {"total": layer_tensor_bytes(self)}
 
             sub = type(f"Metered{base.__name__}", (base,), {"kv_bytes": kv_bytes})
             cls._classes[base] = sub

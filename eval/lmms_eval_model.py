@@ -36,6 +36,7 @@ import warnings
 from typing import Any, Mapping
 
 from vlm_kv.api import cache_kwarg
+from vlm_kv.budget import budget_value
 
 __all__ = [
     "MODEL_NAME",
@@ -58,18 +59,6 @@ _HARNESS_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_cache
 DEFAULTS = {"policy": "snapkv", "budget": 0.25, "device": None, "dtype": "auto", "max_new_tokens": 1024}
 
 
-def _budget(value) -> float | int:
-    if isinstance(value, bool):
-        raise ValueError(f"budget must be a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        return value
-    t = str(value).strip()
-    try:
-        return int(t) if re.fullmatch(r"[+-]?\d+", t) else float(t)
-    except ValueError:
-        raise ValueError(f"budget must be a number, got {value!r}") from None
-
-
 def _int(name: str):
     def conv(value) -> int:
         if isinstance(value, bool):
@@ -86,7 +75,7 @@ def _int(name: str):
 
 
 _CONVERT = {
-    "budget": _budget,
+    "budget": budget_value,
     "evict_every": _int("evict_every"),
     "slack": _int("slack"),
     "seed": _int("seed"),

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from vlm_kv import report
 from vlm_kv.api import cache_kwarg, make_cache
 
 __all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes"]
@@ -45,16 +46,8 @@ def score_answer(answer: str, code: str) -> bool:
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(bytes held now, peak bytes) of a compressed cache or a DynamicCache."""
-    if hasattr(cache, "kv_bytes"):
-        held = cache.kv_bytes()
-        held = int(held["total"] if isinstance(held, dict) else held)
-        return held, int(max(getattr(cache, "max_kv_bytes", held) or 0, held))
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.nbytes
-    return total, total
+    held = report.cache_bytes(cache)
+    return held, int(max(getattr(cache, "max_kv_bytes", held) or 0, held))
 
 
 def _read_text(path: str) -> str:

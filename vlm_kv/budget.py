@@ -82,12 +82,18 @@ class Budget:
         return self.fraction if self.fraction is not None else float(self.tokens_per_head)
 
 
+def budget_value(value: "Budget | float | int | str") -> float | int:
+    """A budget as the plain number ``make_cache`` takes: "0.25" -> 0.25 (fraction of the full
+    cache), "256" -> 256 (tokens per KV head); raises BudgetError naming the problem."""
+    budget = Budget.parse(value)
+    return budget.fraction if budget.fraction is not None else budget.tokens_per_head
+
+
 def budget_arg(text: str) -> float | int:
-    """argparse type: "0.25" -> 0.25 (fraction of the full cache), "256" -> 256 (tokens per KV head)."""
+    """argparse type for a budget (see ``budget_value``)."""
     import argparse
 
     try:
-        budget = Budget.parse(text)
+        return budget_value(text)
     except BudgetError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    return budget.fraction if budget.fraction is not None else budget.tokens_per_head

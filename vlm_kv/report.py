@@ -94,6 +94,11 @@ def cache_bytes(cache: Any) -> int:
     transformers cache (DynamicCache and friends)."""
     if hasattr(cache, "kv_bytes"):
         return int(cache.kv_bytes()["total"])
+    return layer_tensor_bytes(cache)
+
+
+def layer_tensor_bytes(cache: Any) -> int:
+    """Bytes of the key and value tensors of a transformers cache's layers."""
     total = 0
     for layer in getattr(cache, "layers", []):
         for name in ("keys", "values"):
