@@ -72,8 +72,7 @@ class CompressedLayer(CacheLayerMixin):
                 "(beam search is not supported)"
             )
         record = self.cache.ledger.enter(b, q, key_states.device)
-        positions = torch.arange(self.seen, self.seen + q, device=key_states.device)
-        self.store.append(key_states, value_states, positions, record.modality, record.valid)
+        self.store.append(key_states, value_states, self.seen, record.modality, record.valid)
         if self.cache.gates is not None:
             self.store.set_tail_state("log_beta", self.cache.take_log_beta(self.layer_idx, b, q))
         self.seen += q
@@ -116,9 +115,14 @@ class CompressedLayer(CacheLayerMixin):
             self._queries = torch.zeros(b, hq, w, d, dtype=query.dtype, device=query.device)
             self._query_positions = torch.zeros(w, dtype=torch.long, device=query.device)
         n = min(query.shape[2], w)
-        slots = (self._queries_next + torch.arange(n, device=query.device)) % w
-        self._queries.index_copy_(2, slots, query[:, :, -n:])
-        self._query_positions.index_copy_(0, slots, positions[-n:])
+        if n == 1:  # a decode step: one slot, no index tensors
+            slot = self._queries_next
+            self._queries[:, :, slot] = query[:, :, -1]
+            self._query_positions[slot] = positions[-1]
+        else:
+            slots = (self._queries_next + torch.arange(n, device=query.device)) % w
+            self._queries.index_copy_(2, slots, query[:, :, -n:])
+            self._query_positions.index_copy_(0, slots, positions[-n:])
         self._queries_next = (self._queries_next + n) % w
         self._queries_filled = min(w, self._queries_filled + n)
 

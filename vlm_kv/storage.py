@@ -230,17 +230,24 @@ class VarlenKVStore:
         self,
         keys: torch.Tensor,
         values: torch.Tensor,
-        positions: torch.Tensor,
+        positions: "torch.Tensor | int",
         modality: torch.Tensor,
         valid: torch.Tensor,
     ) -> None:
-        """Add new tokens to the tail, in place. keys/values: [B, H, Q, D]; positions: [Q]; modality/valid: [B, Q]."""
+        """Add new tokens to the tail, in place. keys/values: [B, H, Q, D]; positions: [Q], or the
+        first position as an int (the tokens then follow each other); modality/valid: [B, Q]."""
         q = keys.shape[2]
         T = self.tail_size
         self._grow_tail(T + q, reserve=q == 1)
         self._tail_k[:, :, T : T + q].copy_(keys)
         self._tail_v[:, :, T : T + q].copy_(values)
-        self._tail_pos[T : T + q].copy_(positions)
+        if isinstance(positions, int):
+            if q == 1:
+                self._tail_pos[T] = positions
+            else:
+                torch.arange(positions, positions + q, out=self._tail_pos[T : T + q])
+        else:
+            self._tail_pos[T : T + q].copy_(positions)
         self._tail_mod[:, T : T + q].copy_(modality)
         self._tail_valid[:, T : T + q].copy_(valid)
         for t in self._tail_state.values():
