@@ -72,7 +72,7 @@ class CompressedLayer(CacheLayerMixin):
                 "(beam search is not supported)"
             )
         record = self.cache.ledger.enter(b, q, key_states.device)
-        self.store.append(key_states, value_states, self.seen, record.modality, record.valid)
+        self.store.append(key_states, value_states, self.seen, record.modality, record.valid, record.all_valid)
         if self.cache.gates is not None:
             self.store.set_tail_state("log_beta", self.cache.take_log_beta(self.layer_idx, b, q))
         self.seen += q

@@ -26,6 +26,7 @@ class ForwardRecord:
 
     modality: torch.Tensor
     valid: torch.Tensor
+    all_valid: bool = True  # no padding among these tokens (checked once per forward, not per layer)
 
 
 class TokenLedger:
@@ -62,7 +63,8 @@ class TokenLedger:
             modality = torch.zeros(batch, q, dtype=torch.uint8, device=device)
         if valid is None or valid.shape != (batch, q):
             valid = torch.ones(batch, q, dtype=torch.bool, device=device)
-        self._current = ForwardRecord(modality.to(device), valid.to(device))
+        valid = valid.to(device)
+        self._current = ForwardRecord(modality.to(device), valid, bool(valid.all()))
         self._before = (self.valid_tokens, self.first_positions)
         self._count(self._current.valid)
         return self._current

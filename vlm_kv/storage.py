@@ -233,6 +233,7 @@ class VarlenKVStore:
         positions: "torch.Tensor | int",
         modality: torch.Tensor,
         valid: torch.Tensor,
+        all_valid: bool | None = None,
     ) -> None:
         """Add new tokens to the tail, in place. keys/values: [B, H, Q, D]; positions: [Q], or the
         first position as an int (the tokens then follow each other); modality/valid: [B, Q]."""
@@ -254,7 +255,7 @@ class VarlenKVStore:
             t[..., T : T + q].zero_()
         self.tail_size = T + q
         if self.tail_all_valid and q:
-            self.tail_all_valid = bool(valid.all())
+            self.tail_all_valid = bool(valid.all()) if all_valid is None else all_valid
 
     def drop_newest(self, count: int) -> None:
         """Forget the ``count`` newest tail tokens (a forward that raised half-way)."""
