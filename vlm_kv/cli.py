@@ -78,6 +78,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         kwargs["gates"] = args.gates
     if args.prefill_chunk is not None:
         kwargs["prefill_chunk"] = args.prefill_chunk
+    if args.strategy:
+        kwargs["strategy"] = args.strategy
     (result,) = fidelity(
         model, tok, args.text, args.context, args.continuation, [(policy, budget)],
         offset=args.offset, progress=not args.json, **kwargs,
@@ -175,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
+    p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=cmd_fidelity)
@@ -197,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policies", help="list the eviction policies")
     p.set_defaults(func=cmd_policies)
 
-    for module in ("vlm_kv.eval.cli", "vlm_kv.eval.sweep_cli", "vlm_kv.train.cli"):
+    for module in ("vlm_kv.eval.cli", "vlm_kv.eval.sweep_cli", "vlm_kv.train.cli", "vlm_kv.calibrate_cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:
