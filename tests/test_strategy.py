@@ -91,3 +91,15 @@ def test_corrupt_and_missing_files(tmp_path):
     path.write_text(json.dumps({"model": {"config_hash": "x"}, "budget": 0.1}))
     with pytest.raises(StrategyError, match="malformed strategy"):
         Strategy.load(str(path))
+
+
+def test_ablations_keep_one_half_of_the_strategy(model):
+    s = _strategy(model).validate()
+    uniform = s.with_uniform_budgets()
+    assert [e.pattern for e in uniform.phase("prefill")] == ["h2o", "streaming_llm", "snapkv"]
+    assert uniform.relative_shares("prefill") == pytest.approx([1.0, 1.0, 1.0])
+    single = s.with_pattern("adakv")
+    assert {e.pattern for e in single.phase("decode")} == {"adakv"}
+    assert single.relative_shares("prefill") == pytest.approx(s.relative_shares("prefill"))
+    with pytest.raises(StrategyError, match="unknown policy"):
+        s.with_pattern("nope")

@@ -75,6 +75,24 @@ class Strategy:
     def patterns(self) -> set[str]:
         return {e.pattern for entries in self.layers.values() for e in entries}
 
+    # ------------------------------------------------------------ ablations
+    def with_uniform_budgets(self) -> "Strategy":
+        """Same patterns, every layer the same share (the pattern-choice-only ablation)."""
+        share = self.budget / self.num_layers
+        layers = {phase: [LayerEntry(e.pattern, share, e.modality, dict(e.signals)) for e in entries]
+                  for phase, entries in self.layers.items()}
+        return Strategy(model=dict(self.model), budget=self.budget, layers=layers, floor=min(self.floor, share),
+                        candidates=list(self.candidates),
+                        calibration=dict(self.calibration, ablation="uniform budgets")).validate()
+
+    def with_pattern(self, pattern: str) -> "Strategy":
+        """Same budgets, one pattern everywhere (the budgets-only ablation)."""
+        layers = {phase: [LayerEntry(pattern, e.budget, e.modality, dict(e.signals)) for e in entries]
+                  for phase, entries in self.layers.items()}
+        return Strategy(model=dict(self.model), budget=self.budget, layers=layers, floor=self.floor,
+                        candidates=list(self.candidates),
+                        calibration=dict(self.calibration, ablation=f"one pattern: {pattern}")).validate()
+
     # ------------------------------------------------------------ checks
     def validate(self) -> "Strategy":
         from vlm_kv.policies import FULL_POLICY, POLICIES, UnknownPolicyError, normalize_policy_name

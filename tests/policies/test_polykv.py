@@ -186,3 +186,18 @@ def test_gated_patterns_use_the_gates():
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     assert cache.kv_bytes()["total"] <= cache.budget_bytes()
+
+
+@pytest.mark.parametrize("policy", ["adakv", "h2o"])
+def test_one_pattern_with_uniform_shares_is_that_policy(policy):
+    model = _tiny(3)
+    strategy = _real(model, [policy] * 3, [1, 1, 1], 0.2)
+    ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for kwargs in (dict(policy="polykv", strategy=strategy), dict(policy=policy)):
+        cache = vlm_kv.make_cache(model, budget=0.2, evict_every=3, **kwargs)
+        with torch.no_grad():
+            outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                                       output_scores=True, return_dict_in_generate=True))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].scores, outs[1].scores))
