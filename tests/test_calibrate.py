@@ -100,3 +100,14 @@ def test_decode_phase_and_refusals(setup, tmp_path):
     from vlm_kv.strategy import StrategyError
     with pytest.raises(StrategyError, match="another calibration"):
         calibrate(model, tok, [text], _config(candidates=["tova"]), progress_path=str(progress), show_progress=False)
+
+
+def test_cli_checks_before_loading(tmp_path, capsys):
+    from vlm_kv.cli import main
+
+    assert main(["calibrate", "--data", str(tmp_path / "none.txt"), "--budget", "0.1", "--out", "s.json"]) == 2
+    assert "text file not found" in capsys.readouterr().err
+    assert main(["calibrate", "--data", "x.txt", "--budget", "0.1", "--out", "s.json", "--candidates", "magic"]) == 2
+    assert "unknown policy 'magic'" in capsys.readouterr().err
+    assert main(["calibrate", "--data", "x.txt", "--budget", "1.5", "--out", "s.json"]) == 2
+    assert "--budget must be a fraction" in capsys.readouterr().err
