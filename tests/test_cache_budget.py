@@ -8,7 +8,7 @@ import vlm_kv
 from vlm_kv.testing import tiny_model
 from vlm_kv.policies import POLICIES
 
-BASELINES = [p for p in POLICIES if p not in ("trimkv", "dbtrimkv")]
+BASELINES = [p for p, spec in POLICIES.items() if not spec.needs_gates and not spec.needs_strategy]  # polykv: tests/policies/test_polykv.py
 
 
 def _feed(model, cache, tokens, prefill):

@@ -35,6 +35,11 @@ class Allocation:
         """The allocation layer ``layer_idx`` uses; per-layer policies return a different one per layer."""
         return self
 
+    def for_step(self, phase: str, valid_tokens: torch.Tensor) -> "Allocation":
+        """The allocation one eviction step uses, told the phase ("prefill" or "decode") and each
+        sequence's real tokens ([B]); per-phase policies return a different one per phase."""
+        return self
+
     def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: int) -> torch.Tensor:
         """Per-head capacity of one layer ([B]); the layer allocations override this."""
         return cap

@@ -16,6 +16,7 @@ from vlm_kv.gates.retention_gate import RetentionGates
 from vlm_kv.hooks import attach
 from vlm_kv.models.adapters import get_adapter
 from vlm_kv.policies import FULL_POLICY, build_policy, normalize_policy_name, policy_spec
+from vlm_kv.strategy import Strategy
 
 __all__ = ["attach", "cache_kwarg", "make_cache"]
 
@@ -44,6 +45,7 @@ def make_cache(
     gates: "str | torch.nn.Module | None" = None,
     prefill_chunk: int | None = None,
     attention_backend: str = "auto",
+    strategy: "str | Strategy | None" = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -62,6 +64,8 @@ def make_cache(
         carry images or videos are prefilled in one piece.
     attention_backend: decode attention: "auto" (the Triton paged kernel on CUDA when triton
         imports, PyTorch otherwise), "torch", or "triton" (raises where it cannot run).
+    strategy: for ``polykv``: a strategy JSON written by ``vlm-kv calibrate`` or a ``Strategy``;
+        SmolLM2-135M uses the strategy shipped in the package by default.
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -69,6 +73,13 @@ def make_cache(
         get_adapter(model)  # same clear error for unsupported models
         return DynamicCache(config=model.config)
     spec = policy_spec(key)
+    gate_kind = spec.gate_kind
+    if spec.needs_strategy:
+        from vlm_kv.policies.polykv import strategy_kwargs
+
+        scorer_kwargs, allocation_kwargs, gate_kind = strategy_kwargs(model, strategy, scorer_kwargs, allocation_kwargs)
+    elif strategy is not None:
+        raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
     if budget.tokens_per_head is not None and budget.tokens_per_head - slack < scorer.sinks:
         raise BudgetError(
@@ -79,8 +90,8 @@ def make_cache(
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
     adapter = attach(model)
     gate_module = None
-    if spec.needs_gates or gates is not None:
-        gate_module = _resolve_gates(model, gates, spec.gate_kind or "dbtrimkv", key)
+    if gate_kind is not None or gates is not None:
+        gate_module = _resolve_gates(model, gates, gate_kind or "dbtrimkv", key)
     return CompressedCache(
         adapter, scorer, alloc, budget, evict_every=evict_every, slack=slack, policy_name=key,
         model_id=id(model), seed=seed, gates=gate_module, prefill_chunk=prefill_chunk,

@@ -79,6 +79,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         kwargs["gates"] = args.gates
     if args.prefill_chunk is not None:
         kwargs["prefill_chunk"] = args.prefill_chunk
+    if args.strategy:
+        kwargs["strategy"] = args.strategy
     (result,) = fidelity(
         model, tok, args.text, args.context, args.continuation, [(policy, budget)],
         offset=args.offset, progress=not args.json, **kwargs,
@@ -176,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
+    p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=cmd_fidelity)
@@ -214,6 +217,7 @@ _PLUGGED_COMMANDS = (
     ("vlm_kv.eval.cli", ("eval",)),
     ("vlm_kv.eval.sweep_cli", ("sweep",)),
     ("vlm_kv.train.cli", ("train-gates",)),
+    ("vlm_kv.calibrate_cli", ("calibrate",)),
 )
 
 

@@ -41,11 +41,15 @@ class Evictor:
         self.decode_steps_since_eviction = 0
         self.eviction_steps = 0
         self.evicted_entries = 0
+        self.phase = "prefill"  # what the forward before the next eviction step was
+
 
     def due(self, q_len: int) -> bool:
         """Whether the forward that just brought ``q_len`` tokens ends with an eviction step."""
         if q_len > 1:
+            self.phase = "prefill"
             return True
+        self.phase = "decode"
         self.decode_steps_since_eviction += q_len
         return self.decode_steps_since_eviction >= self.evict_every
 
@@ -60,8 +64,9 @@ class Evictor:
         windows = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=caps.device)
         return sinks, windows
 
-    def _scores(self, layer, view, cap_layer: torch.Tensor, ledger: TokenLedger, num_layers: int) -> torch.Tensor:
-        scorer = self.scorer.for_layer(layer.layer_idx)
+    def _scores(self, scorer: Scorer, layer, view, cap_layer: torch.Tensor, ledger: TokenLedger,
+                num_layers: int) -> torch.Tensor:
+        scorer = scorer.for_layer(layer.layer_idx)
         ctx = ScoreContext(
             layer_idx=layer.layer_idx,
             num_layers=num_layers,
@@ -83,24 +88,26 @@ class Evictor:
         """One eviction step over every layer; afterwards the cache holds at most its budget."""
         self.decode_steps_since_eviction = 0
         caps = self.capacities(ledger.valid_tokens)
+        scorer = self.scorer.for_phase(self.phase)
+        step_allocation = self.allocation.for_step(self.phase, ledger.valid_tokens)
         states = self.scorer.state_names
         before = sum(layer.store.num_entries() for layer in layers)
         num_layers = len(layers)
-        if self.allocation.is_global:
+        if step_allocation.is_global:
             scores, modality = [], []
             for layer in layers:
                 view = layer.store.padded_view(with_values=False, states=states)
-                scores.append(self._scores(layer, view, caps, ledger, num_layers))
+                scores.append(self._scores(scorer, layer, view, caps, ledger, num_layers))
                 modality.append(view.modality)
-            keeps = self.allocation.keep_all(scores, caps, modality)
+            keeps = step_allocation.keep_all(scores, caps, modality)
         else:
             keeps = []
             for layer in layers:
-                allocation = self.allocation.for_layer(layer.layer_idx)
-                window = int(self._protected(caps, self.scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
+                allocation = step_allocation.for_layer(layer.layer_idx)
+                window = int(self._protected(caps, scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
                 cap_layer = allocation.layer_capacity(layer.layer_idx, num_layers, caps, window)
                 view = layer.store.padded_view(with_values=False, states=states)
-                keeps.append(allocation.keep_layer(self._scores(layer, view, cap_layer, ledger, num_layers), cap_layer))
+                keeps.append(allocation.keep_layer(self._scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer))
         for layer, keep in zip(layers, keeps):
             layer.store.compact(keep)
         self.eviction_steps += 1

@@ -9,6 +9,7 @@ from vlm_kv.allocation import ALLOCATIONS, Allocation, GlobalTopK, HeadAdaptive,
 from vlm_kv.policies.base import ScoreContext, Scorer
 from vlm_kv.policies.h2o import H2O
 from vlm_kv.policies.knorm import KNorm
+from vlm_kv.policies.polykv import PolyKV, PolyKVAllocation
 from vlm_kv.policies.random_scorer import RandomScorer
 from vlm_kv.policies.retention import RetentionScorer
 from vlm_kv.policies.snapkv import SnapKV
@@ -29,6 +30,7 @@ class PolicySpec:
     allocation: Callable[..., Allocation]
     description: str
     gate_kind: str | None = None
+    needs_strategy: bool = False  # built from a calibrated per-layer strategy (make_cache(strategy=))
 
     @property
     def needs_gates(self) -> bool:
@@ -47,6 +49,8 @@ POLICIES: dict[str, PolicySpec] = {
     "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
     "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
                            gate_kind="dbtrimkv"),
+    "polykv": PolicySpec(PolyKV, PolyKVAllocation, "per-layer, per-phase patterns and budget shares from a calibrated strategy",
+                         needs_strategy=True),
 }
 
 FULL_POLICY = "full"
@@ -95,6 +99,6 @@ def build_policy(
 
 __all__ = [
     "POLICIES", "GATED_POLICIES", "FULL_POLICY", "normalize_policy_name", "policy_spec", "RetentionScorer", "PolicySpec", "build_policy", "UnknownPolicyError", "Scorer", "ScoreContext",
-    "H2O", "KNorm", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA",
+    "H2O", "KNorm", "PolyKV", "PolyKVAllocation", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA",
     "Uniform", "Pyramid", "HeadAdaptive", "GlobalTopK",
 ]

@@ -52,6 +52,11 @@ class Scorer:
         """The scorer layer ``layer_idx`` uses; per-layer policies return a different one per layer."""
         return self
 
+    def for_phase(self, phase: str) -> "Scorer":
+        """The scorer an eviction step after a ``phase`` forward ("prefill": several tokens, "decode")
+        scores with; per-phase policies return a different one per phase."""
+        return self
+
     @property
     def sinks(self) -> int:
         return 0

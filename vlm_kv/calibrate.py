@@ -1,0 +1,365 @@
+"""Offline calibration of a PolyKV strategy: which pattern each layer prefers, how much it needs.
+
+Our procedure (the PolyKV paper's code is not public):
+
+1. Reference: for each calibration window (``context`` tokens prefilled, ``continuation`` fed
+   one at a time) the full cache's next-token log-probs and final hidden states, computed once
+   and shared by every probe.
+2. Pattern preference per (layer, phase): a probe compresses one layer alone to the global
+   budget (every other layer keeps its full cache) with one candidate, and measures the mean
+   KL(full || probe) of the next-token distributions and the mean cosine of the final hidden
+   state. The lowest KL wins (cosine breaks ties). The prefill phase is calibrated first (the
+   candidate evicts in both phases); the decode phase then varies the decode pattern with the
+   layer's prefill pattern fixed.
+3. Budget sensitivity per layer: the same probe with the chosen patterns at smaller budgets
+   (``sensitivity`` multiples of the global budget); a layer's sensitivity is its mean KL over
+   the probed budgets. The global budget goes ``floor_ratio`` evenly to every layer (the floor)
+   and the rest in proportion to sensitivity, no layer above its full cache.
+
+Cheap by construction: short windows (512 + 32 tokens by default), one shared reference, few
+budgets, and a probe evicts in one layer only. Every measurement is saved to a JSON progress
+file as soon as it finishes; a rerun with the same settings reloads it and measures only what
+is missing, so the result is the same whether or not the run was interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from vlm_kv.allocation import Allocation
+from vlm_kv.api import cache_kwarg
+from vlm_kv.budget import Budget
+from vlm_kv.cache import CompressedCache
+from vlm_kv.hooks import attach
+from vlm_kv.models.adapters import get_adapter
+from vlm_kv.policies import PolyKV, PolyKVAllocation, normalize_policy_name, policy_spec
+from vlm_kv.strategy import PHASES, LayerEntry, Strategy, StrategyError
+
+#: pattern of the layers a probe leaves full (it never evicts there; this one observes nothing)
+FULL_LAYER_PATTERN = "streaming_llm"
+
+
+@dataclass
+class CalibrationConfig:
+    budget: float                               # global budget the strategy is for (fraction)
+    candidates: list[str]                       # patterns each layer may choose from
+    phases: list[str] = field(default_factory=lambda: ["prefill"])
+    context: int = 512                          # tokens prefilled per window
+    continuation: int = 32                      # tokens fed one at a time after it
+    windows_per_file: int = 1
+    sensitivity: list[float] = field(default_factory=lambda: [0.5])  # budget multiples probed besides 1
+    floor_ratio: float = 0.5                    # share of the budget spread evenly (the floor)
+    evict_every: int = 16
+    seed: int = 0
+
+    def check(self) -> "CalibrationConfig":
+        if not 0.0 < self.budget < 1.0:
+            raise ValueError(f"--budget must be a fraction in (0, 1), got {self.budget}")
+        if not self.candidates:
+            raise ValueError("no candidate patterns")
+        self.candidates = [normalize_policy_name(c) for c in self.candidates]
+        for c in self.candidates:
+            if c in ("full", "polykv"):
+                raise ValueError(f"candidate {c!r} is not an eviction pattern")
+            if policy_spec(c).needs_gates:
+                raise ValueError(f"candidate {c!r} needs retention gates; calibration with gated candidates is "
+                                 "not supported yet (a strategy may still name them: make_cache passes the gates)")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"duplicate candidates: {self.candidates}")
+        bad = [p for p in self.phases if p not in PHASES]
+        if bad or not self.phases or self.phases[0] != "prefill" or len(set(self.phases)) != len(self.phases):
+            raise ValueError(f"--phases must be 'prefill' or 'prefill,decode', got {','.join(self.phases)}")
+        if self.context < 2 or self.continuation < 1:
+            raise ValueError("context must be >= 2 tokens and continuation >= 1")
+        if not all(0.0 < m < 1.0 for m in self.sensitivity):
+            raise ValueError(f"sensitivity multiples must be in (0, 1), got {self.sensitivity}")
+        if not 0.0 <= self.floor_ratio <= 1.0:
+            raise ValueError(f"floor_ratio must be in [0, 1], got {self.floor_ratio}")
+        return self
+
+
+@dataclass
+class Window:
+    source: str
+    offset: int
+    ids: torch.Tensor      # [1, context + continuation + 1]
+    ref_logps: torch.Tensor | None = None
+    ref_hidden: torch.Tensor | None = None
+
+
+def calibration_windows(tokenizer, paths: list[str], config: CalibrationConfig) -> list[Window]:
+    """Windows of ``context + continuation + 1`` tokens at seeded character offsets of each file."""
+    from vlm_kv.fidelity import text_tokens
+
+    rng = random.Random(config.seed)
+    need = config.context + config.continuation + 1
+    windows = []
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            raise ValueError(f"calibration file {path} is empty")
+        # leave about 6 characters per token after the offset
+        last = max(0, size - need * 6)
+        for _ in range(config.windows_per_file):
+            offset = rng.randint(0, last) if last else 0
+            windows.append(Window(os.path.basename(path), offset, text_tokens(tokenizer, path, offset, need)))
+    return windows
+
+
+@torch.no_grad()
+def _feed(model, cache, ids: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and final hidden states for each continuation token: [M, V], [M, H]."""
+    arg = {cache_kwarg(model): cache}
+    model(input_ids=ids[:, :context], **arg, use_cache=True)
+    logps, hidden = [], []
+    for i in range(ids.shape[1] - 1 - context):
+        out = model(input_ids=ids[:, context + i : context + i + 1], **arg, use_cache=True, output_hidden_states=True)
+        logps.append(F.log_softmax(out.logits[0, -1].float(), dim=-1))
+        hidden.append(out.hidden_states[-1][0, -1].float())
+    return torch.stack(logps), torch.stack(hidden)
+
+
+def probe_strategy(fingerprint: dict, num_layers: int, layer: int, fraction: float,
+                   patterns: dict[str, str]) -> Strategy:
+    """Every layer full except ``layer``, which keeps ``fraction`` of its cache with
+    ``patterns[phase]``; the global budget is what that amounts to."""
+    full = 1.0 / num_layers
+    layers = {}
+    for phase, pattern in patterns.items():
+        entries = [LayerEntry(FULL_LAYER_PATTERN, full) for _ in range(num_layers)]
+        entries[layer] = LayerEntry(pattern, fraction / num_layers)
+        layers[phase] = entries
+    total = (num_layers - 1 + fraction) / num_layers
+    return Strategy(model=fingerprint, budget=total, layers=layers).validate()
+
+
+class LayerFractions(Allocation):
+    """A probe's allocation: layer l keeps exactly ``floor(fraction_l * n)`` tokens per head of
+    the ``n`` it saw (the run-time shares round the global ``L * cap`` instead, which can move
+    up to L tokens onto the one compressed layer of a probe)."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.tokens: torch.Tensor | None = None
+        self.inner = PolyKVAllocation(strategy=strategy).inner
+
+    def for_step(self, phase: str, valid_tokens: torch.Tensor) -> Allocation:
+        self.phase, self.tokens = phase, valid_tokens
+        return self
+
+    def for_layer(self, layer_idx: int) -> Allocation:
+        return _FixedLayer(self, layer_idx)
+
+
+class _FixedLayer(Allocation):
+    def __init__(self, owner: LayerFractions, layer_idx: int) -> None:
+        self.owner, self.layer_idx = owner, layer_idx
+
+    def layer_capacity(self, layer_idx, num_layers, cap, window) -> torch.Tensor:
+        fraction = self.owner.strategy.phase(self.owner.phase)[self.layer_idx].budget * num_layers
+        return torch.floor(self.owner.tokens.double() * min(fraction, 1.0)).long()
+
+    def keep_layer(self, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        return self.owner.inner[self.owner.phase][self.layer_idx].keep_layer(scores, cap)
+
+
+def probe_cache(model, strategy: Strategy, evict_every: int, seed: int) -> CompressedCache:
+    """A cache evicting with ``strategy``'s patterns at its exact per-layer fractions."""
+    adapter = attach(model)
+    return CompressedCache(adapter, PolyKV(strategy=strategy), LayerFractions(strategy), Budget(fraction=1.0),
+                           evict_every=evict_every, policy_name="polykv-probe", model_id=id(model), seed=seed)
+
+
+def allocate(sensitivity: list[float], budget: float, floor_ratio: float) -> tuple[list[float], float]:
+    """Per-layer budgets (whole-cache units, summing to ``budget``) and the floor: ``floor_ratio``
+    of the budget evenly, the rest proportional to sensitivity, none above a full layer (1/L)."""
+    from vlm_kv.policies.polykv import split_capacity
+
+    n = len(sensitivity)
+    floor = floor_ratio * budget / n
+    # split in fine integer units with the same water-filling the cache uses at run time
+    units = 10**9
+    weights = [max(s, 0.0) + 1e-12 for s in sensitivity]
+    limit = int(round((1.0 / n - floor) * units))
+    extra = split_capacity(int(round((budget - n * floor) * units)), weights, limit)
+    budgets = [floor + e / units for e in extra]
+    scale = budget / sum(budgets)  # rounding residue only
+    return [b * scale for b in budgets], floor * min(scale, 1.0)
+
+
+class Calibrator:
+    """Runs the measurements of one calibration, resumable through ``progress_path``."""
+
+    def __init__(self, model, tokenizer, data: list[str], config: CalibrationConfig,
+                 progress_path: str | None = None, show_progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.model = model
+        self.config = config.check()
+        self.fingerprint = get_adapter(model).fingerprint()
+        self.num_layers = self.fingerprint["num_layers"]
+        self.data = list(data)
+        self.windows = calibration_windows(tokenizer, self.data, self.config)
+        self.progress_path = progress_path
+        self.show_progress = show_progress
+        self.log = log or (lambda msg: None)
+        self.settings = {"model": self.fingerprint, "data": [os.path.basename(p) for p in self.data],
+                         "config": asdict(self.config)}
+        self.results: dict[str, dict[str, float]] = {}
+        self.seconds = 0.0
+        self._load_progress()
+
+    # ------------------------------------------------------------ progress file
+    def _load_progress(self) -> None:
+        if not self.progress_path or not os.path.isfile(self.progress_path):
+            return
+        with open(self.progress_path) as fh:
+            saved = json.load(fh)
+        if saved.get("settings") != json.loads(json.dumps(self.settings)):
+            raise StrategyError(f"{self.progress_path} holds measurements of another calibration (other model, data "
+                                "or settings); remove it or choose another --out")
+        self.results = saved["results"]
+        self.seconds = saved.get("seconds", 0.0)
+        self.log(f"resuming: {len(self.results)} measurements reloaded from {self.progress_path}")
+
+    def _save_progress(self) -> None:
+        if not self.progress_path:
+            return
+        tmp = self.progress_path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"settings": self.settings, "results": self.results, "seconds": self.seconds}, fh, indent=0)
+        os.replace(tmp, self.progress_path)
+
+    # ------------------------------------------------------------ measurements
+    def _reference(self) -> None:
+        for w in self.windows:
+            if w.ref_logps is None:
+                w.ref_logps, w.ref_hidden = _feed(self.model, DynamicCache(config=self.model.config), w.ids,
+                                                  self.config.context)
+
+    @staticmethod
+    def key(layer: int, phase: str, pattern: str, multiple: float, prefill_pattern: str | None = None) -> str:
+        head = f"{layer}|{phase}|{pattern}|{multiple:g}"
+        return head if prefill_pattern is None else f"{head}|after:{prefill_pattern}"
+
+    def measure(self, layer: int, patterns: dict[str, str], multiple: float) -> dict[str, float]:
+        """KL and cosine of one probe, averaged over the windows."""
+        self._reference()
+        start = time.perf_counter()
+        strategy = probe_strategy(self.fingerprint, self.num_layers, layer, self.config.budget * multiple, patterns)
+        kls, coss = [], []
+        for w in self.windows:
+            cache = probe_cache(self.model, strategy, self.config.evict_every, self.config.seed)
+            logps, hidden = _feed(self.model, cache, w.ids, self.config.context)
+            kls.append(float(F.kl_div(logps, w.ref_logps, log_target=True, reduction="none").sum(-1).mean()))
+            coss.append(float(F.cosine_similarity(hidden, w.ref_hidden, dim=-1).mean()))
+        self.seconds += time.perf_counter() - start
+        return {"kl": sum(kls) / len(kls), "cos": sum(coss) / len(coss)}
+
+    def _get(self, key: str, layer: int, patterns: dict[str, str], multiple: float, bar) -> dict[str, float]:
+        if key not in self.results:
+            self.results[key] = self.measure(layer, patterns, multiple)
+            self._save_progress()
+        bar.update(1)
+        return self.results[key]
+
+    def run(self) -> Strategy:
+        cfg = self.config
+        L, cands = self.num_layers, cfg.candidates
+        total = L * len(cands) * len(cfg.phases) + L * len(cfg.sensitivity)
+        bar = tqdm(total=total, desc="calibrate", disable=not self.show_progress, unit="probe")
+        chosen: dict[str, list[str]] = {}
+        signals: list[dict] = [{} for _ in range(L)]
+        for phase in cfg.phases:
+            picks = []
+            for layer in range(L):
+                scores = {}
+                for cand in cands:
+                    if phase == "prefill":
+                        key, pats = self.key(layer, phase, cand, 1.0), {"prefill": cand}
+                    else:
+                        first = chosen["prefill"][layer]
+                        key = self.key(layer, phase, cand, 1.0, first)
+                        pats = {"prefill": first, "decode": cand}
+                    scores[cand] = self._get(key, layer, pats, 1.0, bar)
+                best = min(cands, key=lambda c: (scores[c]["kl"], -scores[c]["cos"], cands.index(c)))
+                picks.append(best)
+                signals[layer][phase] = {"kl": {c: scores[c]["kl"] for c in cands},
+                                         "cos": {c: scores[c]["cos"] for c in cands}, "chosen": best}
+            chosen[phase] = picks
+        if "decode" not in chosen:
+            chosen["decode"] = chosen["prefill"]
+        sensitivity = []
+        for layer in range(L):
+            pats = {"prefill": chosen["prefill"][layer], "decode": chosen["decode"][layer]}
+            curve = {1.0: signals[layer]["prefill"]["kl"][pats["prefill"]]} if pats["prefill"] == pats["decode"] \
+                else {1.0: signals[layer]["decode"]["kl"][pats["decode"]]}
+            for m in cfg.sensitivity:
+                after = None if pats["prefill"] == pats["decode"] else pats["prefill"]
+                phase = "prefill" if after is None else "decode"
+                key = self.key(layer, phase, pats[phase], m, after)
+                curve[m] = self._get(key, layer, pats if after else {"prefill": pats["prefill"]}, m, bar)["kl"]
+            signals[layer]["kl_by_budget_multiple"] = {f"{m:g}": v for m, v in sorted(curve.items())}
+            sensitivity.append(sum(curve.values()) / len(curve))
+            signals[layer]["sensitivity"] = sensitivity[-1]
+        bar.close()
+        budgets, floor = allocate(sensitivity, cfg.budget, cfg.floor_ratio)
+        layers = {phase: [LayerEntry(chosen[phase][i], budgets[i], signals=signals[i] if phase == "prefill" else {})
+                          for i in range(L)] for phase in cfg.phases}
+        if "decode" in cfg.phases:
+            for i in range(L):
+                layers["decode"][i].signals = {"see": "prefill entry of this layer"}
+        calibration = {
+            "data": [{"file": w.source, "offset": w.offset, "tokens": int(w.ids.shape[1])} for w in self.windows],
+            "method": "one layer compressed at a time, others full; KL of next-token distributions and cosine of "
+                      "the final hidden state vs one shared full-cache reference; sensitivity = mean KL over budgets",
+            **{k: v for k, v in asdict(cfg).items() if k not in ("budget", "candidates")},
+            "measurements": len(self.results),
+            "measure_seconds": round(self.seconds, 1),
+        }
+        return Strategy(model=self.fingerprint, budget=cfg.budget, layers=layers, floor=floor,
+                        candidates=list(cands), calibration=calibration).validate()
+
+
+def calibrate(model, tokenizer, data: list[str], config: CalibrationConfig, progress_path: str | None = None,
+              show_progress: bool = True) -> Strategy:
+    """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring)."""
+    return Calibrator(model, tokenizer, data, config, progress_path, show_progress).run()
+
+
+def plot_strategy(strategy: Strategy, path: str) -> None:
+    """PNG: per layer, its budget (as a fraction of its own cache) coloured by pattern, per phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = list(strategy.layers)
+    names = sorted(strategy.patterns())
+    colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(len(phases), 1, figsize=(max(6, strategy.num_layers * 0.3), 2.8 * len(phases)),
+                             squeeze=False)
+    L = strategy.num_layers
+    for ax, phase in zip(axes[:, 0], phases):
+        entries = strategy.layers[phase]
+        fractions = [e.budget * L for e in entries]
+        ax.bar(range(L), fractions, color=[colours[e.pattern] for e in entries])
+        ax.axhline(strategy.budget, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylabel("kept fraction of layer")
+        ax.set_title(f"{phase}: pattern and budget per layer (global budget {strategy.budget:g}, dashed)")
+        ax.set_xticks(range(L))
+    axes[-1, 0].set_xlabel("layer")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
+    fig.legend(handles, names, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

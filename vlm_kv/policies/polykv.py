@@ -1,0 +1,307 @@
+"""PolyKV: every layer evicts with its own pattern and keeps its own share of the budget.
+
+Eviction as a per-layer design space (PolyKV): for each layer l and phase (prefill, decode) a
+pattern r[l, phase] (any registered policy) and a budget b[l, phase], the budgets summing to the
+global budget, all read from a ``Strategy`` calibrated offline (``vlm-kv calibrate``).
+
+How the pieces plug into the core:
+
+* ``PolyKV.for_layer(l)`` is what layer l observes with during attention: it feeds every
+  pattern the layer uses in either phase (so a decode-phase H2O has the prefill's attention);
+* ``PolyKV.for_phase(phase).for_layer(l)`` is what an eviction step scores layer l with;
+* ``PolyKVAllocation.for_step(phase, tokens)`` splits the step's ``L * cap`` tokens per head
+  between layers by their shares (capped at what a layer holds, the surplus going to the other
+  layers), so the whole cache holds the global budget after every eviction step; within a layer
+  the pattern's own allocation (uniform, or AdaKV's head-adaptive) picks the entries.
+
+Gated patterns (trimkv, dbtrimkv) score with their retention gates, each layer taking its own
+top-k: DBTrimKV's single global top-k over all layers is replaced by the strategy's shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from vlm_kv.allocation import Allocation, Uniform
+from vlm_kv.policies.base import ScoreContext, Scorer
+from vlm_kv.strategy import PHASES, Strategy
+
+
+def split_capacity(total: int, shares: list[float], limit: int) -> list[int]:
+    """Integer tokens per head for each layer: proportional to ``shares``, none above ``limit``,
+    summing to ``min(total, limit * layers)``. A layer that cannot use its share (it holds fewer
+    tokens) passes the surplus to the others in proportion to theirs; remainders go to the
+    largest fractional parts (ties to the lower layer), so the result is deterministic."""
+    n = len(shares)
+    total = max(0, min(int(total), limit * n))
+    caps = [0] * n
+    active = [i for i in range(n) if shares[i] > 0]
+    left = total
+    while active:
+        weight = sum(shares[i] for i in active)
+        ideal = {i: left * shares[i] / weight for i in active}
+        full = [i for i in active if ideal[i] >= limit]
+        if not full:
+            floors = {i: int(ideal[i]) for i in active}
+            spare = left - sum(floors.values())
+            order = sorted(active, key=lambda i: (-(ideal[i] - floors[i]), i))
+            for i in order[:spare]:
+                floors[i] += 1
+            for i in active:
+                caps[i] = min(limit, floors[i])
+            break
+        for i in full:
+            caps[i] = limit
+            left -= limit
+        active = [i for i in active if i not in full]
+    return caps
+
+
+@dataclass
+class _Pattern(Scorer):
+    """One layer's pattern at scoring time: it sees only the most recent queries it asked for
+    (the layer remembers the most any of its patterns needs, in ring order)."""
+
+    inner: Scorer = None
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def sinks(self) -> int:
+        return self.inner.sinks
+
+    def protected_window(self, capacity: int) -> int:
+        return self.inner.protected_window(capacity)
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        want = self.inner.query_window
+        pos = ctx.window_positions
+        if want > 0 and pos is not None and pos.numel() > want:
+            latest = torch.topk(pos, want).indices
+            ctx = dataclasses.replace(ctx, window_queries=ctx.window_queries.index_select(2, latest),
+                                      window_positions=pos.index_select(0, latest))
+        return self.inner.score(ctx)
+
+
+class _LayerObserver(Scorer):
+    """Layer l during attention: feeds the observations of every pattern it uses."""
+
+    def __init__(self, patterns: list[Scorer]) -> None:
+        self.patterns = patterns
+        received = [p.uses_received_attention for p in patterns if p.observes]
+        if any(received) and not all(received):
+            raise ValueError("a layer cannot mix patterns that observe decode attention in different ways: "
+                             f"{[p.name for p in patterns]}")
+        self._uses_received = any(received)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(dict.fromkeys(n for p in self.patterns for n in p.state_names))
+
+    @property
+    def query_window(self) -> int:
+        return max(p.query_window for p in self.patterns)
+
+    @property
+    def uses_received_attention(self) -> bool:  # type: ignore[override]
+        return self._uses_received
+
+    @property
+    def observes(self) -> bool:
+        return any(p.observes for p in self.patterns)
+
+    def observe(self, store, query, view, query_positions, scaling) -> None:
+        for p in self.patterns:
+            if p.observes:
+                p.observe(store, query, view, query_positions, scaling)
+
+    def observe_received(self, store, body, tail) -> None:
+        for p in self.patterns:
+            if p.uses_received_attention:
+                p.observe_received(store, body, tail)
+
+
+class _PhaseScorer(Scorer):
+    """What an eviction step after a ``phase`` forward scores each layer with."""
+
+    def __init__(self, owner: "PolyKV", phase: str) -> None:
+        self.owner = owner
+        self.phase = phase
+
+    @property
+    def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.owner.state_names
+
+    def for_layer(self, layer_idx: int) -> Scorer:
+        return self.owner.scoring[self.phase][self.owner.check_layer(layer_idx)]
+
+
+@dataclass
+class PolyKV(Scorer):
+    """Per-layer, per-phase patterns from a calibrated ``strategy`` (PolyKV; our calibration)."""
+
+    name: ClassVar[str] = "polykv"
+    strategy: Strategy = None
+    scorers: dict[str, Scorer] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        from vlm_kv.policies import policy_spec
+
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError("policy 'polykv' needs a strategy: make_cache(..., policy='polykv', strategy=PATH) "
+                             "(calibrate one with `vlm-kv calibrate`)")
+        self.strategy.validate()
+        self.num_layers = self.strategy.num_layers
+        for entry in self.strategy.layers.values():
+            for e in entry:
+                if e.modality is not None:
+                    raise NotImplementedError(
+                        "this strategy has per-modality shares; applying them inside a layer is not implemented yet")
+        # one scorer instance per (layer, pattern): a pattern used in both phases observes once
+        self.scoring: dict[str, list[Scorer]] = {}
+        per_layer: list[dict[str, Scorer]] = [{} for _ in range(self.num_layers)]
+        for phase in PHASES:
+            row = []
+            for i, entry in enumerate(self.strategy.phase(phase)):
+                if entry.pattern not in per_layer[i]:
+                    per_layer[i][entry.pattern] = policy_spec(entry.pattern).scorer()
+                row.append(_Pattern(inner=per_layer[i][entry.pattern]))
+            self.scoring[phase] = row
+        self.observers = [_LayerObserver(list(d.values())) for d in per_layer]
+        self._state_names = tuple(dict.fromkeys(n for o in self.observers for n in o.state_names))
+
+    @property
+    def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self._state_names
+
+    @property
+    def query_window(self) -> int:
+        return max(o.query_window for o in self.observers)
+
+    @property
+    def sinks(self) -> int:
+        return max(p.sinks for row in self.scoring.values() for p in row)
+
+    def check_layer(self, layer_idx: int) -> int:
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"the strategy has {self.num_layers} layers; the model has a layer {layer_idx}")
+        return layer_idx
+
+    def for_layer(self, layer_idx: int) -> Scorer:
+        return self.observers[self.check_layer(layer_idx)]
+
+    def for_phase(self, phase: str) -> Scorer:
+        return _PhaseScorer(self, phase)
+
+
+class _LayerShare(Allocation):
+    """Layer l's capacity this step and its pattern's rule for choosing entries among heads."""
+
+    def __init__(self, step: "_StepAllocation", layer_idx: int, inner: Allocation) -> None:
+        self.step = step
+        self.layer_idx = layer_idx
+        self.inner = inner
+
+    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: int) -> torch.Tensor:
+        return self.step.capacities(cap, num_layers)[:, self.layer_idx]
+
+    def keep_layer(self, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        return self.inner.keep_layer(scores, cap)
+
+
+class _StepAllocation(Allocation):
+    def __init__(self, owner: "PolyKVAllocation", phase: str, valid_tokens: torch.Tensor) -> None:
+        self.owner = owner
+        self.phase = phase
+        self.limits = [int(n) for n in valid_tokens.tolist()]
+        self._caps: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def capacities(self, cap: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """[B, L] tokens per head of every layer; the sum over layers is at most L * cap."""
+        shares = self.owner.shares[self.phase]
+        if num_layers != len(shares):
+            raise ValueError(f"the strategy has {len(shares)} layers but the eviction step sees {num_layers}")
+        key = tuple(int(c) for c in cap.tolist())
+        if self._caps is None or self._caps[0] != key:
+            rows = [split_capacity(c * num_layers, shares, limit) for c, limit in zip(key, self.limits)]
+            self._caps = (key, torch.tensor(rows, dtype=torch.long, device=cap.device))
+        return self._caps[1]
+
+    def for_layer(self, layer_idx: int) -> Allocation:
+        return _LayerShare(self, layer_idx, self.owner.inner[self.phase][layer_idx])
+
+
+@dataclass
+class PolyKVAllocation(Allocation):
+    """Per-layer budget shares from a strategy; each layer chooses among its heads with its
+    pattern's own allocation (a global allocation becomes a per-layer uniform one)."""
+
+    name: ClassVar[str] = "polykv"
+    strategy: Strategy = None
+
+    def __post_init__(self) -> None:
+        from vlm_kv.policies import policy_spec
+
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError("policy 'polykv' needs a strategy: make_cache(..., policy='polykv', strategy=PATH)")
+        self.shares = {phase: self.strategy.relative_shares(phase) for phase in PHASES}
+        self.inner: dict[str, list[Allocation]] = {}
+        for phase in PHASES:
+            row = []
+            for entry in self.strategy.phase(phase):
+                alloc = policy_spec(entry.pattern).allocation()
+                row.append(Uniform() if alloc.is_global else alloc)
+            self.inner[phase] = row
+
+    def for_step(self, phase: str, valid_tokens: torch.Tensor) -> Allocation:
+        return _StepAllocation(self, phase, valid_tokens)
+
+    def keep_layer(self, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("PolyKVAllocation chooses per step: the evictor must call for_step first")
+
+
+STRATEGIES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "strategies")
+
+
+def default_strategy_for(model) -> str | None:
+    """Path of a strategy shipped in the package that fits ``model``, or None."""
+    import glob
+    import os
+
+    from vlm_kv.strategy import StrategyError
+
+    for path in sorted(glob.glob(os.path.join(STRATEGIES_DIR, "*.json"))):
+        try:
+            Strategy.load(path, model=model)
+        except StrategyError:
+            continue
+        return os.path.normpath(path)
+    return None
+
+
+def strategy_kwargs(model, strategy: "Strategy | str | None", scorer_kwargs: dict | None,
+                    allocation_kwargs: dict | None) -> tuple[dict, dict, str | None]:
+    """Scorer and allocation keyword arguments for ``polykv`` on ``model``, and the gate kind its
+    patterns need (None: no gates)."""
+    from vlm_kv.policies import policy_spec
+    from vlm_kv.strategy import resolve_strategy
+
+    if strategy is None:
+        strategy = default_strategy_for(model)
+        if strategy is None:
+            raise ValueError("policy 'polykv' needs a strategy for this model: pass strategy=PATH "
+                             "(calibrate one with `vlm-kv calibrate`)")
+    if scorer_kwargs or allocation_kwargs:
+        raise ValueError("policy 'polykv' takes its patterns and shares from the strategy, not scorer_kwargs/allocation_kwargs")
+    resolved = resolve_strategy(strategy, model)
+    kinds = {policy_spec(p).gate_kind for p in resolved.patterns()} - {None}
+    if len(kinds) > 1:
+        raise ValueError(f"the strategy mixes patterns needing different gates ({sorted(kinds)}); one gate kind per cache")
+    return {"strategy": resolved}, {"strategy": resolved}, (kinds.pop() if kinds else None)
