@@ -41,7 +41,10 @@ def parse_cell(text: str) -> dict:
 
 
 def cell_key(cell: dict) -> str:
-    return f"{cell['label']}|{cell['policy']}|{cell['budget']}"
+    """Identity of a cell: everything that changes its result."""
+    opts = json.dumps([cell.get("gates"), cell.get("scorer_kwargs") or {}, cell.get("allocation_kwargs") or {}],
+                      sort_keys=True)
+    return f"{cell['label']}|{cell['policy']}|{cell['budget']}|{opts}"
 
 
 def main(argv: list[str] | None = None) -> int:
