@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell", action="append", type=parse_cell, required=True)
     p.add_argument("--out", required=True, help="JSONL of finished cells (appended; resumes)")
     p.add_argument("--csv", default=None, help="also write every line of --out as CSV")
+    p.add_argument("--plot", default=None, help="also plot KL against the KV bytes held (PNG)")
     args = p.parse_args(argv)
 
     import torch
@@ -99,7 +100,36 @@ def main(argv: list[str] | None = None) -> int:
             w.writeheader()
             for row in rows:
                 w.writerow({k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()})
+    if args.plot:
+        with open(args.out) as fh:
+            plot(args.plot, [json.loads(line) for line in fh if line.strip()])
     return 0
+
+
+def plot(path: str, rows: list[dict]) -> None:
+    """KL (log scale) against the fraction of the full cache's bytes held, one line per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list] = {}
+    for r in rows:
+        name = f"{r['label']} {r['policy']}"
+        if r.get("scorer_kwargs", {}).get("num_sinks") == 0:
+            name += " (no sinks)"
+        series.setdefault(name, []).append((r["kv_fraction"], r["kl"]))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV bytes held / full cache")
+    ax.set_ylabel("KL(full || compressed), nats/token")
+    ax.set_title("SmolLM2-135M, pg84 @100000, 2048 + 128 tokens")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
