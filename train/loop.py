@@ -371,3 +371,15 @@ def train_gates(config: TrainConfig | dict) -> dict:
         "out": cfg.out, "step": last_step, "metrics": metrics,
         "seconds_per_step": (sum(times) / len(times)) if times else None, "gates": final,
     }
+
+
+def export_checkpoint(checkpoint: str, folder: str, dtype: torch.dtype = torch.float32) -> RetentionGates:
+    """Write the gates of a training checkpoint as a gate folder (for a run stopped early);
+    ``GateConfig.training["steps_done"]`` says how far it got."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    config = GateConfig(**state["gate_config"])
+    config.training = dict(config.training, steps_done=int(state["step"]))
+    gates = RetentionGates(config)
+    gates.load_state_dict(state["gates"])
+    save_gates(gates, folder, dtype=dtype)
+    return gates

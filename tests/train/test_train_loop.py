@@ -207,3 +207,17 @@ def test_init_gates_starts_from_saved_gates(tmp_path):
     with pytest.raises(ValueError, match="width 16"):
         train_gates(_cfg(model, proc, text, tmp_path / "c", steps=1, max_length=48, width=8,
                          init_gates=str(tmp_path / "a")))
+
+
+def test_export_checkpoint_of_a_stopped_run(tmp_path):
+    from vlm_kv.train.loop import export_checkpoint
+
+    model, proc, text = _text_setup(tmp_path)
+    res = train_gates(_cfg(model, proc, text, tmp_path / "a", steps=4, stop_at=2, max_length=48))
+    assert not (tmp_path / "a" / "gate_config.json").exists()  # not finished: no final gates
+    gates = export_checkpoint(latest_checkpoint(str(tmp_path / "a")), str(tmp_path / "x"), dtype=torch.float16)
+    loaded = load_gates(str(tmp_path / "x"), model=model)
+    assert loaded.config.training["steps_done"] == 2 and loaded.config.training["steps"] == 4
+    for a, b in zip(res["gates"].state_dict().values(), loaded.state_dict().values()):
+        torch.testing.assert_close(a.half().float(), b)
+    assert gates.config.width == 16
