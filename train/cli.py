@@ -2,6 +2,8 @@
 
     vlm-kv train-gates --model smollm2 --data book.txt --budget-tokens 128 --global \\
         --max-length 512 --steps 200 --out gates/smollm2-g128
+    vlm-kv train-gates --model smollm2 --data book.txt --budget-range 0.05,0.3 --global \\
+        --max-length 2048 --steps 60 --out runs/smollm2-multi      # one gate set for all budgets
     accelerate launch -m vlm_kv.train.cli train-gates ...        # several GPUs
 """
 
@@ -13,11 +15,25 @@ import json
 from vlm_kv.train.loop import TrainConfig, train_gates
 
 
+def _fraction_range(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI fractions such as 0.05,0.3, got {text!r}") from None
+    if not 0 < lo <= hi <= 1:
+        raise argparse.ArgumentTypeError(f"need 0 < LO <= HI <= 1, got {text!r}")
+    return lo, hi
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 or a local model folder")
     p.add_argument("--data", nargs="+", required=True,
                    help="text files, {'text'} JSONL, or conversation JSONL (LLaVA or messages style)")
-    p.add_argument("--budget-tokens", type=int, required=True, help="M: cache budget in tokens per KV head")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-tokens", type=int, help="M: fixed cache budget in tokens per KV head")
+    budget.add_argument("--budget-range", type=_fraction_range, metavar="LO,HI",
+                        help="multi-budget: per step draw a fraction of the sequence in [LO, HI] "
+                             "(log-uniform), e.g. 0.05,0.3; LO,LO trains one fractional budget")
     p.add_argument("--global", dest="global_budget", action="store_true",
                    help="global capacity loss over all layers and heads (DBTrimKV); default per head")
     p.add_argument("--max-length", type=int, default=512, help="tokens per training sequence")
@@ -36,13 +52,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=64, help="gate MLP width")
     p.add_argument("--init-bias", type=float, default=18.0, help="initial output bias (beta ~ 1: keep all)")
     p.add_argument("--lambda-cap", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=1e-6)
+    p.add_argument("--init-gates", default=None, help="start from these saved gates (fine-tuning)")
+    p.add_argument("--exact-capacity", action="store_true",
+                   help="O(T^2) double sum for the capacity term (default: the O(T) scan)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (checkpointed); resume later")
     p.add_argument("--no-progress", action="store_true")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        model=args.model, data=args.data, budget_tokens=args.budget_tokens, global_budget=args.global_budget,
+        model=args.model, data=args.data, budget_tokens=args.budget_tokens, budget_range=args.budget_range,
+        global_budget=args.global_budget, weight_decay=args.weight_decay, init_gates=args.init_gates,
+        exact_capacity=args.exact_capacity,
         max_length=args.max_length, steps=args.steps, out=args.out, resume=args.resume, lr=args.lr,
         min_lr=args.min_lr, warmup=args.warmup, grad_accum=args.grad_accum, batch_size=args.batch_size,
         save_every=args.save_every, seed=args.seed, kind=args.kind, coupled=not args.uncoupled,

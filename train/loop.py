@@ -19,6 +19,15 @@ Hyperparameter defaults (documented choices):
   weight decay 1e-6 (reference), betas (0.9, 0.95), grad-norm clip 1.0;
 * warmup min(100, steps // 10) steps, then cosine decay to min_lr = lr / 10.
 
+Budget: either a fixed ``budget_tokens`` M per KV head, or ``budget_range = (lo, hi)``: each
+optimizer step draws one fraction f from [lo, hi] (log-uniform, so 0.05-0.1 weighs as much as
+0.15-0.3) and every sequence of the step gets M = f * its length. The draw is a function of
+(seed, step) only, so a resumed run draws the same sequence. One gate set then serves every
+budget in the range (the shipped gates are evaluated at 0.05, 0.1 and 0.25).
+
+``init_gates``: start from saved gates (same shape) instead of the fresh init: fine-tuning,
+e.g. the short-sequence gates at the serving length.
+
 Checkpoints (every ``save_every`` steps and at the end) live in ``OUT/checkpoints/step-N.pt``
 and hold the gates, optimizer, scheduler, RNG states, data position and step; ``resume``
 continues from the latest one and reproduces the same next step exactly. The final gates
@@ -47,7 +56,7 @@ from vlm_kv.gates.io import save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
 from vlm_kv.loading import load_model_and_processor
 from vlm_kv.train.data import TrainingData
-from vlm_kv.train.losses import capacity_loss, distill_losses
+from vlm_kv.train.losses import budget_from_fraction, capacity_loss, distill_losses
 
 CKPT_DIR = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -59,7 +68,8 @@ class TrainConfig:
     out: str
     model: Any = "smollm2"          # "smollm2", a local folder, or an nn.Module (then pass processor)
     processor: Any = None           # tokenizer / processor for an nn.Module model
-    budget_tokens: int = 128        # M, tokens per KV head
+    budget_tokens: int | None = None  # M, tokens per KV head (fixed); or give budget_range
+    budget_range: tuple[float, float] | None = None  # fractions of each sequence, drawn per step
     global_budget: bool = False     # DBTrimKV global capacity loss (else per head)
     max_length: int = 512
     steps: int = 100
@@ -76,6 +86,8 @@ class TrainConfig:
     width: int = 64
     init_bias: float = 18.0
     seed: int = 0
+    init_gates: str | None = None   # folder of saved gates to start from
+    exact_capacity: bool = False    # O(T^2) double sum for S_t instead of the O(T) scan
     save_every: int = 100
     keep_checkpoints: int = 2
     resume: bool = False
@@ -99,10 +111,45 @@ class GatedStudent(nn.Module):
         return logits, soft.log_betas
 
 
+def resolved_warmup(cfg: TrainConfig) -> int:
+    return cfg.warmup if cfg.warmup is not None else min(100, cfg.steps // 10)
+
+
+def resolved_min_lr(cfg: TrainConfig) -> float:
+    return cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+
+
+def check_budget(cfg: TrainConfig) -> None:
+    if cfg.budget_range is None:
+        if cfg.budget_tokens is None or cfg.budget_tokens < 1:
+            raise ValueError("give budget_tokens >= 1 or a budget_range of fractions")
+        return
+    if cfg.budget_tokens is not None:
+        raise ValueError("give either budget_tokens or budget_range, not both")
+    lo, hi = cfg.budget_range
+    if not 0 < lo <= hi <= 1:
+        raise ValueError(f"budget_range must satisfy 0 < lo <= hi <= 1, got {cfg.budget_range}")
+
+
+def sampled_budget(cfg: TrainConfig, step: int) -> float | None:
+    """The budget fraction of optimizer step ``step`` (0-based); None for a fixed budget_tokens.
+
+    Log-uniform in budget_range, drawn from a generator seeded by (seed, step) alone, so the
+    sequence does not depend on what ran before (resume draws the same values)."""
+    if cfg.budget_range is None:
+        return None
+    lo, hi = cfg.budget_range
+    if lo == hi:
+        return float(lo)
+    g = torch.Generator().manual_seed(1_000_003 * (cfg.seed + 1) + step)
+    u = torch.rand((), generator=g, dtype=torch.float64).item()
+    return math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr at optimizer step ``step`` (0-based): linear warmup, cosine to min_lr."""
-    warmup = cfg.warmup if cfg.warmup is not None else min(100, cfg.steps // 10)
-    min_ratio = (cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10) / cfg.lr
+    warmup = resolved_warmup(cfg)
+    min_ratio = resolved_min_lr(cfg) / cfg.lr
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = (step - warmup) / max(1, cfg.steps - warmup)
@@ -130,10 +177,21 @@ def latest_checkpoint(out: str) -> str | None:
 
 
 def _training_info(cfg: TrainConfig) -> dict:
+    """Every hyperparameter of the run, defaults resolved, for GateConfig.training."""
     return {
-        "budget_tokens": cfg.budget_tokens, "global": cfg.global_budget, "data": list(cfg.data),
+        "budget_tokens": cfg.budget_tokens,
+        "budget_range": list(cfg.budget_range) if cfg.budget_range is not None else None,
+        "budget_sampling": "log-uniform per step" if cfg.budget_range is not None else None,
+        "global": cfg.global_budget, "data": list(cfg.data),
+        "model": cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__,
         "steps": cfg.steps, "max_length": cfg.max_length, "batch_size": cfg.batch_size,
-        "grad_accum": cfg.grad_accum, "lr": cfg.lr, "lambda_cap": cfg.lambda_cap, "seed": cfg.seed,
+        "grad_accum": cfg.grad_accum, "lr": cfg.lr, "min_lr": resolved_min_lr(cfg),
+        "warmup": resolved_warmup(cfg), "schedule": "linear warmup, cosine to min_lr",
+        "optimizer": "AdamW", "betas": [0.9, 0.95], "weight_decay": cfg.weight_decay,
+        "grad_clip": cfg.grad_clip, "lambda_cap": cfg.lambda_cap, "seed": cfg.seed,
+        "kind": cfg.kind, "coupled": cfg.coupled, "width": cfg.width, "init_bias": cfg.init_bias,
+        "init_gates": cfg.init_gates,
+        "capacity": "exact O(T^2) double sum" if cfg.exact_capacity else "O(T) rate-grid scan, grid step 0.25",
     }
 
 
@@ -144,6 +202,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
     from vlm_kv.api import attach
 
     cfg = config if isinstance(config, TrainConfig) else TrainConfig(**config)
+    check_budget(cfg)
     use_bf16 = torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -163,7 +222,17 @@ def train_gates(config: TrainConfig | dict) -> dict:
     gate_cfg = GateConfig(kind=cfg.kind, hidden_size=adapter.hidden_size, num_layers=adapter.num_layers,
                           num_kv_heads=adapter.num_kv_heads, width=cfg.width, init_bias=cfg.init_bias,
                           coupled=cfg.coupled, model=adapter.fingerprint(), training=_training_info(cfg))
-    gates = RetentionGates(gate_cfg).to(device)
+    gates = RetentionGates(gate_cfg)
+    if cfg.init_gates:
+        from vlm_kv.gates.io import load_gates
+
+        start_from = load_gates(cfg.init_gates, model=model)
+        if (start_from.config.kind, start_from.config.width, start_from.config.coupled) != (cfg.kind, cfg.width, cfg.coupled):
+            raise ValueError(f"init_gates {cfg.init_gates} are {start_from.config.kind} width {start_from.config.width} "
+                             f"coupled={start_from.config.coupled}; this run trains {cfg.kind} width {cfg.width} "
+                             f"coupled={cfg.coupled}")
+        gates.load_state_dict({k: v.float() for k, v in start_from.state_dict().items()})
+    gates = gates.to(device)
     student = GatedStudent(model, gates)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg))
@@ -227,6 +296,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
         t0 = time.perf_counter()
         sums = torch.zeros(5, device=device)  # loss, kl, ce, cap, tokens
         live_sum = None
+        fraction = sampled_budget(cfg, step)
         for micro in range(cfg.grad_accum):
             batch = {k: v.to(device) for k, v in data.next_batch(cfg.batch_size, rank, world).items()}
             labels = batch.pop("labels")
@@ -236,8 +306,10 @@ def train_gates(config: TrainConfig | dict) -> dict:
                     teacher = model(**batch, use_cache=False).logits
                 logits, log_betas = student(batch)
                 kl, ce = distill_losses(logits, teacher, labels)
-                cap, live = capacity_loss(log_betas, cfg.budget_tokens, cfg.global_budget,
-                                          valid=batch["attention_mask"].bool())
+                valid = batch["attention_mask"].bool()
+                budget = cfg.budget_tokens if fraction is None else budget_from_fraction(fraction, valid)
+                cap, live = capacity_loss(log_betas, budget, cfg.global_budget, valid=valid,
+                                          exact=cfg.exact_capacity)
                 loss = 0.5 * (kl + ce) + cfg.lambda_cap * cap
                 accelerator.backward(loss / cfg.grad_accum)
             sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), cap.detach(),
@@ -256,7 +328,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
         done = step + 1
         metrics = {
             "step": done, "loss": stats[0].item(), "kl": stats[1].item(), "ce": stats[2].item(),
-            "cap": stats[3].item(), "live": live_mean.mean().item(),
+            "cap": stats[3].item(), "live": live_mean.mean().item(), "budget": fraction,
             "live_per_head": [[round(x, 5) for x in row] for row in live_mean.tolist()],
             "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if cfg.grad_clip else None,
             "tokens": int(stats[4].item() * world), "sec": round(dt, 4), "data_position": data.position,
@@ -284,3 +356,15 @@ def train_gates(config: TrainConfig | dict) -> dict:
         "out": cfg.out, "step": last_step, "metrics": metrics,
         "seconds_per_step": (sum(times) / len(times)) if times else None, "gates": final,
     }
+
+
+def export_checkpoint(checkpoint: str, folder: str, dtype: torch.dtype = torch.float32) -> RetentionGates:
+    """Write the gates of a training checkpoint as a gate folder (for a run stopped early);
+    ``GateConfig.training["steps_done"]`` says how far it got."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    config = GateConfig(**state["gate_config"])
+    config.training = dict(config.training, steps_done=int(state["step"]))
+    gates = RetentionGates(config)
+    gates.load_state_dict(state["gates"])
+    save_gates(gates, folder, dtype=dtype)
+    return gates

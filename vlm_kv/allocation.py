@@ -30,6 +30,8 @@ def top_k_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 class Allocation:
     name: ClassVar[str] = "base"
     is_global: ClassVar[bool] = False
+    #: False for allocations whose memory follows the content (threshold mode): they take no budget
+    bounded_by_budget: ClassVar[bool] = True
 
     def for_layer(self, layer_idx: int) -> "Allocation":
         """The allocation layer ``layer_idx`` uses; per-layer policies return a different one per layer."""

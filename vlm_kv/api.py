@@ -81,6 +81,11 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
+    if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
+        raise BudgetError(
+            f"policy {key!r} keeps what its threshold says, whatever the budget: pass budget=1.0 "
+            f"(got {budget.describe()}); its memory follows the content"
+        )
     if budget.tokens_per_head is not None and budget.tokens_per_head - slack < scorer.sinks:
         raise BudgetError(
             f"budget too small: {budget.tokens_per_head} tokens per KV head (minus slack {slack}) cannot hold "

@@ -138,3 +138,86 @@ def test_truncation_drops_cut_images(tmp_path, family):
         with torch.no_grad():
             assert torch.isfinite(model(**sample).logits).all()
     assert seen == {0, 1, 2}
+
+
+def _text_setup(tmp_path):
+    model, proc = tiny_model("llama"), tiny_processor("llama")
+    text = tmp_path / "book.txt"
+    text.write_text(" ".join(f"word{i % 37} and the {i % 11} things" for i in range(400)))
+    return model, proc, str(text)
+
+
+def test_sampled_budgets_depend_on_seed_and_step_only():
+    from vlm_kv.train.loop import sampled_budget
+
+    cfg = TrainConfig(data=["x"], out="y", budget_tokens=None, budget_range=(0.05, 0.3), seed=3)
+    draws = [sampled_budget(cfg, s) for s in range(200)]
+    assert draws == [sampled_budget(cfg, s) for s in range(200)]
+    assert all(0.05 <= f <= 0.3 for f in draws) and len(set(draws)) == 200
+    # log-uniform: about half the draws below the geometric mean of the range
+    below = sum(f < math.sqrt(0.05 * 0.3) for f in draws)
+    assert 70 < below < 130
+    other = TrainConfig(data=["x"], out="y", budget_tokens=None, budget_range=(0.05, 0.3), seed=4)
+    assert [sampled_budget(other, s) for s in range(5)] != draws[:5]
+    fixed = TrainConfig(data=["x"], out="y", budget_tokens=None, budget_range=(0.1, 0.1))
+    assert sampled_budget(fixed, 7) == 0.1
+    assert sampled_budget(TrainConfig(data=["x"], out="y", budget_tokens=8), 0) is None
+
+
+def test_budget_options_fail_closed(tmp_path):
+    model, proc, text = _text_setup(tmp_path)
+    for kw, msg in ((dict(budget_tokens=None), "budget_tokens >= 1 or a budget_range"),
+                    (dict(budget_tokens=8, budget_range=(0.1, 0.2)), "either budget_tokens or budget_range"),
+                    (dict(budget_tokens=None, budget_range=(0.3, 0.1)), "0 < lo <= hi <= 1")):
+        with pytest.raises(ValueError, match=msg):
+            train_gates(_cfg(model, proc, text, tmp_path / "x", **kw))
+
+
+def test_multi_budget_resume_reproduces_draws_and_config_records_everything(tmp_path):
+    model, proc, text = _text_setup(tmp_path)
+    kw = dict(budget_tokens=None, budget_range=(0.05, 0.5), steps=4, max_length=48, warmup=1, min_lr=1e-3,
+              weight_decay=0.01, seed=5)
+    straight = train_gates(_cfg(model, proc, text, tmp_path / "a", **kw))
+    train_gates(_cfg(model, proc, text, tmp_path / "b", stop_at=2, **kw))
+    resumed = train_gates(_cfg(model, proc, text, tmp_path / "b", resume=True, **kw))
+    for a, b in zip(straight["gates"].state_dict().values(), resumed["gates"].state_dict().values()):
+        assert torch.equal(a, b)
+    la = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    budgets = [x["budget"] for x in la]
+    assert budgets == [x["budget"] for x in lb] and len(set(budgets)) == 4
+    assert all(0.05 <= f <= 0.5 for f in budgets)
+    info = load_gates(str(tmp_path / "a")).config.training
+    want = {"budget_range": [0.05, 0.5], "budget_tokens": None, "warmup": 1, "min_lr": 1e-3, "lr": 3e-2,
+            "weight_decay": 0.01, "steps": 4, "max_length": 48, "width": 16, "init_bias": 4.0, "seed": 5,
+            "data": [text], "kind": "dbtrimkv", "coupled": True, "global": True, "init_gates": None,
+            "betas": [0.9, 0.95], "grad_clip": 1.0, "lambda_cap": 1.0, "steps_done": 4}
+    assert {k: info.get(k) for k in want} == want
+
+
+def test_init_gates_starts_from_saved_gates(tmp_path):
+    model, proc, text = _text_setup(tmp_path)
+    first = train_gates(_cfg(model, proc, text, tmp_path / "a", steps=2, max_length=48))
+    # zero learning rate: the fine-tuned gates are exactly the ones they started from
+    again = train_gates(_cfg(model, proc, text, tmp_path / "b", steps=1, max_length=48, lr=1e-12, min_lr=1e-12,
+                             init_gates=str(tmp_path / "a"), weight_decay=0.0))
+    for a, b in zip(first["gates"].state_dict().values(), again["gates"].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+    assert load_gates(str(tmp_path / "b")).config.training["init_gates"] == str(tmp_path / "a")
+    with pytest.raises(ValueError, match="width 16"):
+        train_gates(_cfg(model, proc, text, tmp_path / "c", steps=1, max_length=48, width=8,
+                         init_gates=str(tmp_path / "a")))
+
+
+def test_export_checkpoint_of_a_stopped_run(tmp_path):
+    from vlm_kv.train.loop import export_checkpoint
+
+    model, proc, text = _text_setup(tmp_path)
+    res = train_gates(_cfg(model, proc, text, tmp_path / "a", steps=4, stop_at=2, max_length=48))
+    assert not (tmp_path / "a" / "gate_config.json").exists()  # not finished: no final gates
+    gates = export_checkpoint(latest_checkpoint(str(tmp_path / "a")), str(tmp_path / "x"), dtype=torch.float16)
+    loaded = load_gates(str(tmp_path / "x"), model=model)
+    assert loaded.config.training["steps_done"] == 2 and loaded.config.training["steps"] == 4
+    for a, b in zip(res["gates"].state_dict().values(), loaded.state_dict().values()):
+        torch.testing.assert_close(a.half().float(), b)
+    assert gates.config.width == 16

@@ -14,6 +14,10 @@ from vlm_kv.policies.random_scorer import RandomScorer
 from vlm_kv.policies.retention import RetentionScorer
 from vlm_kv.policies.snapkv import SnapKV
 from vlm_kv.policies.streaming_llm import StreamingLLM
+from vlm_kv.policies.fastv import FastV
+from vlm_kv.policies.rkv import RKV
+from vlm_kv.policies.threshold import RetentionThreshold
+from vlm_kv.policies.visionzip import VisionZip
 from vlm_kv.policies.tova import TOVA
 
 
@@ -46,9 +50,15 @@ POLICIES: dict[str, PolicySpec] = {
     "adakv": PolicySpec(SnapKV, HeadAdaptive, "SnapKV scores, heads of a layer share its budget"),
     "knorm": PolicySpec(KNorm, Uniform, "smallest key norms"),
     "random": PolicySpec(RandomScorer, Uniform, "random entries (a floor)"),
+    "rkv": PolicySpec(RKV, Uniform, "recent-query attention importance minus key-similarity redundancy (R-KV)"),
+    "fastv": PolicySpec(FastV, Uniform, "visual tokens ranked by the last token's attention from layer K on; text kept"),
+    "visionzip": PolicySpec(VisionZip, Uniform, "dominant visual tokens + one per contextual group; text kept"),
     "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
     "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
                            gate_kind="dbtrimkv"),
+    "dbtrimkv_threshold": PolicySpec(RetentionScorer, RetentionThreshold,
+                                     "coupled retention gates, keep while score >= log alpha (no fixed budget)",
+                                     gate_kind="dbtrimkv"),
     "polykv": PolicySpec(PolyKV, PolyKVAllocation, "per-layer, per-phase patterns and budget shares from a calibrated strategy",
                          needs_strategy=True),
 }
