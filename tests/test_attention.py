@@ -78,3 +78,25 @@ def test_soft_retention_with_zero_log_beta_is_plain_causal_attention_and_decays_
     decayed = soft_retention_attention(q, k, v, lb, None, None)
     ref = F.scaled_dot_product_attention(q[:, :, -1:], k.repeat_interleave(2, 1)[:, :, 1:], v.repeat_interleave(2, 1)[:, :, 1:])
     torch.testing.assert_close(decayed[:, -1:], ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_over_a_compressed_store_through_the_varlen_path_equals_the_padded_path():
+    """The flash-attn wiring (pool, per-row table, bottom-right causal) checked with the same
+    kernels module's PyTorch backend: a ragged body, then a 5-token tail attended causally."""
+    from vlm_kv.attention import prefill_attention_paged
+
+    torch.manual_seed(0)
+    b, h, g, d = 2, 2, 3, 8
+    store = VarlenKVStore(b, h, d, torch.float32, torch.device("cpu"))
+    k = torch.randn(b, h, 12, d)
+    store.append(k, torch.randn(b, h, 12, d), torch.arange(12), torch.zeros(b, 12, dtype=torch.uint8),
+                 torch.ones(b, 12, dtype=torch.bool))
+    view = store.padded_view()
+    keep = view.positions < (4 + torch.arange(b * h).view(b, h, 1))  # ragged: 4..7 entries per row
+    store.compact(keep)
+    store.append(torch.randn(b, h, 5, d), torch.randn(b, h, 5, d), torch.arange(12, 17),
+                 torch.zeros(b, 5, dtype=torch.uint8), torch.ones(b, 5, dtype=torch.bool))
+    query = torch.randn(b, h * g, 5, d)
+    ref = varlen_attention(query, store.padded_view(), torch.arange(12, 17), None)
+    out = prefill_attention_paged(query, store, None, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -228,6 +228,29 @@ def decode_attention_triton(query: torch.Tensor, store: Any, scaling: float | No
     return out.view(b, 1, hq, d)
 
 
+def prefill_attention_paged(query: torch.Tensor, store: Any, scaling: float | None, backend: str = "auto") -> torch.Tensor:
+    """Several new queries (a new turn, a prefill chunk) over a compressed store through the varlen
+    prefill path of ``vlm_kv.kernels`` (flash-attn's varlen function on CUDA): each (batch, kv head)
+    row is one sequence of its kept entries followed by the tail, the new tokens last, causal from
+    the bottom right. Needs a tail without padding. Returns [B, Q, Hq, D]."""
+    from vlm_kv.kernels.varlen_prefill import paged_prefill_attention
+
+    d = query.shape[-1]
+    rows, T = store.batch_size * store.num_kv_heads, store.tail_size
+    # one transient pool: body, then each row's tail (a working copy, as for the padded view)
+    keys = torch.cat([store.body_keys, store.tail_keys.reshape(rows * T, d)])
+    values = torch.cat([store.body_values, store.tail_values.reshape(rows * T, d)])
+    cols = torch.arange(store.max_length + T, device=query.device)[None, :]
+    body_part = store.row_starts[:, None] + cols
+    tail_part = store.body_size + torch.arange(rows, device=query.device)[:, None] * T + (cols - store.lengths[:, None])
+    table = torch.where(cols < store.lengths[:, None], body_part, tail_part)
+    table = table.clamp(0, max(keys.shape[0] - 1, 0)).to(torch.int32)
+    lengths = (store.lengths + T).to(torch.int32)
+    out = paged_prefill_attention(query, keys.view(-1, 1, d), values.view(-1, 1, d), table, lengths, scaling,
+                                  causal=True, backend=backend, validate=False)
+    return out.transpose(1, 2)
+
+
 def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: float | None, want_received: bool):
     """bf16 / fp16: CPU matmuls round their logits to the input dtype, which moves greedy tokens
     away from what SDPA (fp32 accumulation and softmax) computes for a DynamicCache; so these

@@ -98,6 +98,11 @@ class CompressedLayer(CacheLayerMixin):
             elif scorer.observes:
                 view = store.padded_view(with_values=False, with_modality=False)
                 scorer.observe(store, query, view, query_positions, scaling)
+        elif store.body_size and store.tail_all_valid and self.cache.use_flash_prefill(query):
+            out = attention.prefill_attention_paged(query, store, scaling, backend="flash")
+            if scorer.observes:
+                view = store.padded_view(with_values=False, with_modality=False)
+                scorer.observe(store, query, view, query_positions, scaling)
         else:
             view = store.padded_view(with_values=True, with_modality=False)
             dense = store.body_size == 0 and store.tail_all_valid
@@ -251,6 +256,14 @@ class CompressedCache(Cache):
 
                 self._triton_decode = resolve_backend(self.attention_backend, query.device) == "triton"
         return self._triton_decode
+
+    def use_flash_prefill(self, query: torch.Tensor) -> bool:
+        """Whether a prefill over a compressed store runs flash-attn's varlen function (CUDA, fp16/bf16)."""
+        if self.attention_backend == "torch" or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        from vlm_kv.kernels.varlen_prefill import flash_attn_available
+
+        return flash_attn_available()
 
     # ------------------------------------------------------------ forward
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_len: int | None) -> None:
