@@ -8,7 +8,8 @@ import vlm_kv
 from vlm_kv.testing import tiny_model
 from vlm_kv.policies import POLICIES
 
-BASELINES = [p for p, spec in POLICIES.items() if not spec.needs_gates and not spec.needs_strategy]  # polykv: tests/policies/test_polykv.py
+# text-only model: visual-only policies (fastv, visionzip) are covered with images in tests/policies
+BASELINES = [p for p, spec in POLICIES.items() if not spec.needs_gates and not spec.needs_strategy and not spec.visual_only]  # polykv: tests/policies/test_polykv.py
 
 
 def _feed(model, cache, tokens, prefill):
@@ -73,3 +74,25 @@ def test_slack_keeps_room_below_the_budget():
     _feed(model, cache, tokens, 100)
     # right after the last eviction step each head held cap - slack; 4 more tokens since then at most
     assert cache.stats()["head_length"]["max"] <= cache.budget.capacity(120)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adakv", "dbtrimkv"])
+def test_bf16_caches_hold_the_budget_at_every_eviction_step(policy):
+    from vlm_kv.testing import tiny_gates
+
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    tokens = torch.randint(5, model.config.vocab_size, (2, 48 + 40), generator=torch.Generator().manual_seed(1))
+    kwargs = {"gates": tiny_gates(model).to(torch.bfloat16)} if policy == "dbtrimkv" else {"scorer_kwargs": {"window": 4}}
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, evict_every=4, **kwargs)
+    held = []
+    evict = cache.evict
+
+    def checked_evict():
+        evict()
+        held.append((cache.kv_bytes()["total"], cache.budget_bytes()))
+
+    cache.evict = checked_evict
+    _feed(model, cache, tokens, 48)
+    assert len(held) == 1 + 40 // 4
+    assert all(h <= allowed for h, allowed in held)
+    assert cache.layers[0].store.body_keys.dtype == torch.bfloat16

@@ -19,7 +19,6 @@ from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 TEXT_ONLY = {"llama", "qwen2", "qwen3"}
-VISUAL_ONLY = {"fastv", "visionzip"}  # evict visual tokens only
 SCENARIOS_RUN = []  # read by conftest's summary: how many scenarios ran
 
 
@@ -114,7 +113,7 @@ def test_random_scenarios_hold_the_budget_and_match_dynamic_cache_at_full_budget
         held_after.append((cache.kv_bytes()["total"], cache.budget_bytes()))
 
     cache.evict = recording_evict
-    if sc["policy"] in VISUAL_ONLY:
+    if spec.visual_only:
         try:
             out = _conversation(model, cache, sc)
         except ValueError as err:  # a clear refusal: the budget cannot hold the text these policies never evict

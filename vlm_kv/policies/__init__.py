@@ -35,6 +35,7 @@ class PolicySpec:
     description: str
     gate_kind: str | None = None
     needs_strategy: bool = False  # built from a calibrated per-layer strategy (make_cache(strategy=))
+    visual_only: bool = False     # evicts image/video entries only; text always stays
 
     @property
     def needs_gates(self) -> bool:
@@ -51,8 +52,10 @@ POLICIES: dict[str, PolicySpec] = {
     "knorm": PolicySpec(KNorm, Uniform, "smallest key norms"),
     "random": PolicySpec(RandomScorer, Uniform, "random entries (a floor)"),
     "rkv": PolicySpec(RKV, Uniform, "recent-query attention importance minus key-similarity redundancy (R-KV)"),
-    "fastv": PolicySpec(FastV, Uniform, "visual tokens ranked by the last token's attention from layer K on; text kept"),
-    "visionzip": PolicySpec(VisionZip, Uniform, "dominant visual tokens + one per contextual group; text kept"),
+    "fastv": PolicySpec(FastV, Uniform, "visual tokens ranked by the last token's attention from layer K on; text kept",
+                        visual_only=True),
+    "visionzip": PolicySpec(VisionZip, Uniform, "dominant visual tokens + one per contextual group; text kept",
+                            visual_only=True),
     "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
     "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
                            gate_kind="dbtrimkv"),
