@@ -1,7 +1,7 @@
 """vlm-kv: compressed KV caches for vision-language models on stock transformers.
 
     cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.1)
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)
 """
 
 from vlm_kv.api import attach, make_cache
