@@ -16,7 +16,7 @@ from vlm_kv.train.losses import capacity_loss, expected_live, expected_live_pair
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=90, help="layers x KV heads (SmolLM2: 30 x 3)")
+    p.add_argument("--heads", type=int, default=90, help="layers x KV heads, a multiple of 3 (SmolLM2: 30 x 3)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, s, fwd, bwd in rows:
         rel = ((s - exact).abs() / exact).max().item()
         print(f"{name:>16}: forward {fwd:6.2f} s  backward {bwd:6.2f} s  max rel. error of S_t {rel:.1e}")
-    lbs = [x[None] for x in lb[:, 0]]
+    lbs = [x[None] for x in lb[:, 0].reshape(-1, 3, t_len)]  # layers of 3 KV heads
     for f in (0.05, 0.1, 0.25):
         a = capacity_loss(lbs, f * t_len, True)[0].item()
         e = capacity_loss(lbs, f * t_len, True, exact=True)[0].item()
