@@ -201,3 +201,16 @@ def test_one_pattern_with_uniform_shares_is_that_policy(policy):
                                        output_scores=True, return_dict_in_generate=True))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outs[0].scores, outs[1].scores))
+
+
+def test_smollm2_uses_the_shipped_strategy(smollm2):
+    from vlm_kv.policies.polykv import default_strategy_for
+
+    model, _ = smollm2
+    path = default_strategy_for(model)
+    assert path is not None and path.endswith("smollm2-135m-pg1342-b0.1.json")
+    strategy = Strategy.load(path, model=model)
+    assert strategy.num_layers == 30 and strategy.budget == pytest.approx(0.1)
+    cache = vlm_kv.make_cache(model, policy="polykv", budget=0.1)
+    assert cache.scorer.strategy.to_dict() == strategy.to_dict()
+    assert default_strategy_for(_tiny()) is None
