@@ -6,6 +6,10 @@ import pytest
 import torch
 
 warnings.filterwarnings("ignore", category=FutureWarning)
+# Without a GPU the Triton kernels run interpreted; triton reads this when it is first imported,
+# and other libraries (transformers, lmms-eval) may import it long before tests/kernels runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parents[1]
