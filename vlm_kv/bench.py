@@ -113,7 +113,9 @@ def run_one(model, ids: torch.Tensor, context: int, steps: int, repeats: int, fa
         model(input_ids=ids[:, :context], **cache_arg, use_cache=True, logits_to_keep=1)
         _sync(device)
         prefill_s = time.perf_counter() - start
-        peak_prefill = getattr(cache, "peak_kv_bytes", 0) or cache_bytes(cache)
+        peak_prefill = max(getattr(cache, "peak_kv_bytes", 0), cache_bytes(cache))
+        if hasattr(cache, "peak_kv_bytes"):
+            cache.peak_kv_bytes = 0  # from here on: the decode phase's own peak
         evict_before = getattr(cache, "evict_seconds", 0.0)
         token = ids[:, context : context + 1]
         per_round, decode_total = [], 0.0
