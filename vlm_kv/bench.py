@@ -63,7 +63,21 @@ class PeakMemory:
             self.peak = max(self.peak, self._rss())
             self._stop.wait(0.002)
 
+    @staticmethod
+    def _release_freed_heap() -> None:
+        """Return memory freed by earlier runs to the OS, so one run's peak does not start from
+        the previous run's high-water mark (glibc keeps freed heap otherwise)."""
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
     def __enter__(self) -> "PeakMemory":
+        self._release_freed_heap()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
