@@ -5,9 +5,10 @@
 """
 
 from vlm_kv.api import attach, make_cache
+from vlm_kv.attention import AttentionBypassError
 from vlm_kv.budget import Budget, BudgetError
 from vlm_kv.cache import CacheMisuseError, CompressedCache
 from vlm_kv.policies import POLICIES
 
-__all__ = ["make_cache", "attach", "Budget", "BudgetError", "CompressedCache", "CacheMisuseError", "POLICIES"]
+__all__ = ["make_cache", "attach", "Budget", "BudgetError", "CompressedCache", "CacheMisuseError", "AttentionBypassError", "POLICIES"]
 __version__ = "0.1.0"
