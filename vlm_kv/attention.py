@@ -260,13 +260,7 @@ def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: fl
     out = varlen_attention(query, view, positions, scaling, store.body_size == 0 and store.tail_all_valid)
     if not want_received:
         return out, None
-    received = attention_received(query, view, positions, scaling)  # [B, H, L] padded layout
-    rows = store.batch_size * store.num_kv_heads
-    flat = received.reshape(rows, -1)
-    body = flat[store._rows, store._cols] if store.body_size else None
-    cols = store.lengths[:, None] + torch.arange(store.tail_size, device=flat.device)[None]
-    tail = flat.gather(1, cols).view(store.batch_size, store.num_kv_heads, -1)
-    return out, (body, tail)
+    return out, store.split_padded(attention_received(query, view, positions, scaling))
 
 
 def attention_probs(

@@ -269,15 +269,18 @@ class VarlenKVStore:
         q = values.shape[-1]
         self._tail_state[name][..., self.tail_size - q : self.tail_size].copy_(values)
 
-    def add_state(self, name: str, padded: torch.Tensor) -> None:
-        """Add a padded [B, H, L] quantity (laid out like ``padded_view``) to the entries' state."""
+    def split_padded(self, padded: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A per-entry [B, H, L] quantity laid out like ``padded_view``, split as the store lays
+        entries out: (body [N] or None, tail [B, H, T])."""
         rows = self.batch_size * self.num_kv_heads
         flat = padded.reshape(rows, -1)
-        if self.body_size:
-            self.body_state[name] += flat[self._rows, self._cols]
-        if self.tail_size:
-            cols = self.lengths[:, None] + torch.arange(self.tail_size, device=self.device)[None]
-            self._tail_state[name][..., : self.tail_size] += flat.gather(1, cols).view(self.batch_size, self.num_kv_heads, -1)
+        body = flat[self._rows, self._cols] if self.body_size else None
+        cols = self.lengths[:, None] + torch.arange(self.tail_size, device=self.device)[None]
+        return body, flat.gather(1, cols).view(self.batch_size, self.num_kv_heads, -1)
+
+    def add_state(self, name: str, padded: torch.Tensor) -> None:
+        """Add a padded [B, H, L] quantity (laid out like ``padded_view``) to the entries' state."""
+        self.add_state_split(name, *self.split_padded(padded))
 
     def add_state_split(self, name: str, body: torch.Tensor | None, tail: torch.Tensor | None) -> None:
         """Add a quantity given where the entries lie: ``body`` [N] in body order, ``tail`` [B, H, T]."""
