@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.testing import tiny_model
+from vlm_kv.testing import record_evictions, tiny_model
 from vlm_kv.policies import POLICIES
 
 # text-only model: visual-only policies (fastv, visionzip) are covered with images in tests/policies
@@ -86,14 +86,7 @@ def test_bf16_caches_hold_the_budget_at_every_eviction_step(policy):
     if policy in ("snapkv", "adakv"):
         kwargs["scorer_kwargs"] = {"window": 4}
     cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, evict_every=4, **kwargs)
-    held = []
-    evict = cache.evict
-
-    def checked_evict():
-        evict()
-        held.append((cache.kv_bytes()["total"], cache.budget_bytes()))
-
-    cache.evict = checked_evict
+    held = record_evictions(cache)
     _feed(model, cache, tokens, 48)
     assert len(held) == 1 + 40 // 4
     assert all(h <= allowed for h, allowed in held)

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 import vlm_kv
 from vlm_kv.budget import BudgetError
 from vlm_kv.policies import POLICIES
-from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
+from vlm_kv.testing import record_evictions, tiny_gates, tiny_inputs, tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 TEXT_ONLY = {"llama", "qwen2", "qwen3"}
@@ -105,14 +105,7 @@ def test_random_scenarios_hold_the_budget_and_match_dynamic_cache_at_full_budget
             vlm_kv.make_cache(model, policy=sc["policy"], budget=budget, **kwargs)
         return
     cache = vlm_kv.make_cache(model, policy=sc["policy"], budget=budget, **kwargs)
-    held_after = []
-    evict = cache.evict
-
-    def recording_evict():
-        evict()
-        held_after.append((cache.kv_bytes()["total"], cache.budget_bytes()))
-
-    cache.evict = recording_evict
+    held_after = record_evictions(cache)
     if spec.visual_only:
         try:
             out = _conversation(model, cache, sc)

@@ -697,3 +697,17 @@ def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
     with open(cfg_path, "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=2)
     return folder
+
+
+def record_evictions(cache) -> list[tuple[int, int]]:
+    """Wrap ``cache.evict`` so that every eviction step appends (key/value bytes held, bytes the
+    budget allows) to the returned list: what the budget tests check after each step."""
+    steps: list[tuple[int, int]] = []
+    evict = cache.evict
+
+    def recording_evict() -> None:
+        evict()
+        steps.append((cache.kv_bytes()["total"], cache.budget_bytes()))
+
+    cache.evict = recording_evict
+    return steps
