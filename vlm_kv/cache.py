@@ -18,7 +18,7 @@ stored entry remembers its own original position.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -140,6 +140,18 @@ class CompressedLayer(CacheLayerMixin):
     def window_positions(self) -> torch.Tensor | None:
         return None if self._queries is None else self._query_positions[: self._queries_filled]
 
+    def held_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Original positions of every entry this layer holds, per (batch, kv head), and their tier.
+
+        Returns ``(positions [B, H, L] long, -1 where a row is shorter; tier [B, H, L] uint8,
+        0 = full precision, 1 = INT2)``. Diagnostics compare these sets between eviction steps.
+        """
+        if self.store is None:
+            raise CacheMisuseError(f"layer {self.layer_idx} holds nothing yet (no forward ran)")
+        view = self.store.padded_view(with_values=False, with_modality=False)
+        positions = view.positions.masked_fill(~view.valid, -1)
+        return positions, torch.zeros_like(positions, dtype=torch.uint8)
+
     def query_window_bytes(self) -> int:
         return tensor_bytes(self._queries, self._query_positions)
 
@@ -219,6 +231,8 @@ class CompressedCache(Cache):
         self.peak_kv_bytes = 0     # most held at any forward's end (just before its eviction step)
         self.evict_seconds = 0.0   # wall time spent in eviction steps
         self.chunked_prefills = 0
+        # called with the cache after every eviction step (diagnostics, recorders)
+        self.eviction_listeners: list[Callable[["CompressedCache"], None]] = []
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.num_layers)])
 
     # the evictor's parts, read by layers, reports and tools
@@ -321,6 +335,8 @@ class CompressedCache(Cache):
         held = self.kv_bytes()["total"]
         self.max_kv_bytes = max(self.max_kv_bytes, held)
         self.peak_kv_bytes = max(self.peak_kv_bytes, held)
+        for listener in self.eviction_listeners:
+            listener(self)
 
     # ------------------------------------------------------------ batch
     def batch_repeat_interleave(self, repeats: int) -> None:
