@@ -44,6 +44,8 @@ scenario = st.fixed_dictionaries({
     "evict_every": st.integers(min_value=1, max_value=6),
     "slack": st.integers(min_value=0, max_value=2),
     "images": st.integers(min_value=0, max_value=2),
+    "tiers": st.sampled_from([None, None, "int2"]),
+    "window": st.integers(min_value=1, max_value=8),
 })
 
 
@@ -92,6 +94,8 @@ def test_random_scenarios_hold_the_budget_and_match_dynamic_cache_at_full_budget
     model = _model(sc["family"])
     spec = POLICIES[sc["policy"]]
     kwargs = dict(evict_every=sc["evict_every"], slack=sc["slack"])
+    if sc["tiers"] and spec.tierable and spec.default_tiers is None:
+        kwargs.update(tiers="int2", window=sc["window"])
     if spec.needs_gates:
         kwargs["gates"] = _gates(sc["family"], spec.gate_kind)
     budget = sc["budget"]

@@ -17,6 +17,7 @@ from vlm_kv.hooks import attach
 from vlm_kv.models.adapters import get_adapter
 from vlm_kv.policies import FULL_POLICY, build_policy, normalize_policy_name, policy_spec
 from vlm_kv.strategy import Strategy
+from vlm_kv.tier_router import TierConfig
 
 __all__ = ["attach", "cache_kwarg", "make_cache"]
 
@@ -37,7 +38,7 @@ def make_cache(
     budget: Budget | float | int = 0.25,
     *,
     allocation: str | None = None,
-    evict_every: int = 16,
+    evict_every: int | None = None,
     slack: int = 0,
     seed: int = 0,
     scorer_kwargs: dict[str, Any] | None = None,
@@ -46,6 +47,9 @@ def make_cache(
     prefill_chunk: int | None = None,
     attention_backend: str = "auto",
     strategy: "str | Strategy | None" = None,
+    tiers: str | None = None,
+    int2_share: float | None = None,
+    window: int | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -55,7 +59,8 @@ def make_cache(
     policy: one of ``vlm_kv.policies.POLICIES`` or ``"full"`` (a plain DynamicCache); case and
         dashes do not matter ("DBTrimKV" = "dbtrimkv").
     allocation: override how the budget is spread: uniform, pyramid, adaptive, global.
-    evict_every: decode steps between eviction steps (one always follows each prefill).
+    evict_every: decode steps between eviction steps (one always follows each prefill); default
+        16, or ``window`` for a tiered cache (QEvict routes every w steps).
     slack: tokens per head kept free below the budget at each step.
     gates: for ``trimkv`` / ``dbtrimkv``: a folder saved by ``vlm-kv train-gates`` or a
         ``RetentionGates`` module; SmolLM2-135M uses the gates shipped in the package by default.
@@ -66,6 +71,12 @@ def make_cache(
         imports, PyTorch otherwise), "torch", or "triton" (raises where it cannot run).
     strategy: for ``polykv``: a strategy JSON written by ``vlm-kv calibrate`` or a ``Strategy``;
         SmolLM2-135M uses the strategy shipped in the package by default.
+    tiers: "int2" keeps windows of ``window`` tokens in full precision, in INT2 (2-bit, still
+        attended, can be promoted back) or evicted, ranked by the policy's scores under the same
+        byte budget (QEvict's recoverable tiers); ``qevict`` and ``kivi2`` are tiered by themselves.
+    int2_share: with tiers, the share of the routed bytes spent on INT2 windows when something
+        must be evicted (default 0.7), in [0, 1).
+    window: with tiers, tokens per window (default 8; 32 for kivi2).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -81,9 +92,12 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
+    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window)
+    if evict_every is None:
+        evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
         raise BudgetError(
-            f"policy {key!r} keeps what its threshold says, whatever the budget: pass budget=1.0 "
+            f"policy {key!r} keeps what its own rule says, whatever the budget: pass budget=1.0 "
             f"(got {budget.describe()}); its memory follows the content"
         )
     if budget.tokens_per_head is not None and budget.tokens_per_head - slack < scorer.sinks:
@@ -100,8 +114,37 @@ def make_cache(
     return CompressedCache(
         adapter, scorer, alloc, budget, evict_every=evict_every, slack=slack, policy_name=key,
         model_id=id(model), seed=seed, gates=gate_module, prefill_chunk=prefill_chunk,
-        attention_backend=attention_backend,
+        attention_backend=attention_backend, tiers=tier_config,
     )
+
+
+def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
+                 window: int | None) -> TierConfig | None:
+    """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
+    if tiers is not None and tiers not in ("int2", "none"):
+        raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
+    if tiers is None and spec.default_tiers is not None:
+        tiers = "int2"
+    if tiers in (None, "none"):
+        if spec.default_tiers is not None:
+            raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
+        if int2_share is not None or window is not None:
+            raise ValueError("int2_share= and window= configure the INT2 tier: pass tiers='int2' too")
+        return None
+    if not spec.tierable:
+        raise ValueError(
+            f"policy {key!r} cannot route windows to tiers (its scores do not rank windows under a byte "
+            "budget); tiers work with streaming_llm, h2o, tova, snapkv, pyramidkv, adakv, knorm, random, rkv, "
+            "trimkv and dbtrimkv"
+        )
+    if getattr(alloc, "modality_floor", None) or getattr(alloc, "modality_cap", None):
+        raise ValueError("modality floors/caps of the global allocation are not applied by the tier router; drop them or tiers")
+    fields = dict(spec.default_tiers or {})
+    if int2_share is not None:
+        fields["int2_share"] = int2_share
+    if window is not None:
+        fields["window"] = window
+    return TierConfig(**fields)
 
 
 def _resolve_gates(model: torch.nn.Module, gates: "str | torch.nn.Module | None", kind: str, policy: str) -> torch.nn.Module:

@@ -30,7 +30,9 @@ from vlm_kv.evictor import Evictor
 from vlm_kv.ledger import CacheMisuseError, TokenLedger
 from vlm_kv.models.adapters import ModelAdapter
 from vlm_kv.policies.base import Scorer
+from vlm_kv.int2_tier import Int2Tier
 from vlm_kv.storage import VarlenKVStore, tensor_bytes
+from vlm_kv.tier_router import TierConfig, TierRouter
 
 __all__ = ["CacheMisuseError", "CompressedCache", "CompressedLayer"]
 
@@ -47,6 +49,7 @@ class CompressedLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.store: VarlenKVStore | None = None
+        self.tier: Int2Tier | None = None  # the INT2 tier and its ledger (tiered caches only)
         self.seen = 0
         self.scaling: float | None = None
         # ring buffer of the most recent queries (observation-window scorers)
@@ -60,6 +63,9 @@ class CompressedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.store = VarlenKVStore(b, h, d, key_states.dtype, key_states.device, self.cache.scorer.state_names,
                                    tail_reserve=self.cache.evictor.evict_every)
+        if self.cache.tiers is not None:
+            self.tier = Int2Tier(b, h, d, self.cache.tiers.window, key_states.dtype, key_states.device,
+                                 self.cache.scorer.state_names)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -86,7 +92,9 @@ class CompressedLayer(CacheLayerMixin):
         self.scaling = scaling
         query_positions = store.tail_positions[-q:].long()
         scorer = self.cache.scorer.for_layer(self.layer_idx)
-        if q == 1 and self.cache.use_triton_decode(query) and store.tail_all_valid and not scorer.uses_received_attention:
+        if self.tier is not None and self.tier.num_active:
+            out = self._attend_tiered(query, query_positions, scaling, scorer)
+        elif q == 1 and self.cache.use_triton_decode(query) and store.tail_all_valid and not scorer.uses_received_attention:
             out = attention.decode_attention_triton(query, store, scaling)
             if scorer.observes:
                 view = store.padded_view(with_values=False, with_modality=False)
@@ -110,6 +118,25 @@ class CompressedLayer(CacheLayerMixin):
             scorer.observe(store, query, view, query_positions, scaling)
         self._remember_queries(query, query_positions)
         return out
+
+    def _attend_tiered(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float | None,
+                       scorer: Scorer) -> torch.Tensor:
+        """One softmax over the FP entries and the dequantized INT2 windows; scorers observe both."""
+        from vlm_kv.tier_router import merge_views
+
+        fp = self.store.padded_view(with_values=True)
+        tv = self.tier.view(with_values=True, dtype=query.dtype)
+        view, _ = merge_views(fp, tv.view, sort=False)
+        out = attention.varlen_attention(query, view, query_positions, scaling)
+        if scorer.observes:
+            scorer.observe(_TieredEntries(self.store, self.tier, fp.length, tv.slot), query, view, query_positions, scaling)
+        return out
+
+    def num_entries(self) -> int:
+        """Entries held in every tier."""
+        if self.store is None:
+            return 0
+        return self.store.num_entries() + (self.tier.num_entries() if self.tier is not None else 0)
 
     def _remember_queries(self, query: torch.Tensor, positions: torch.Tensor) -> None:
         w = self.cache.scorer.for_layer(self.layer_idx).query_window
@@ -150,7 +177,12 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheMisuseError(f"layer {self.layer_idx} holds nothing yet (no forward ran)")
         view = self.store.padded_view(with_values=False, with_modality=False)
         positions = view.positions.masked_fill(~view.valid, -1)
-        return positions, torch.zeros_like(positions, dtype=torch.uint8)
+        tier = torch.zeros_like(positions, dtype=torch.uint8)
+        if self.tier is not None and self.tier.num_active:
+            tv = self.tier.view(with_values=False).view
+            positions = torch.cat([positions, tv.positions.masked_fill(~tv.valid, -1)], dim=2)
+            tier = torch.cat([tier, torch.ones_like(tv.positions, dtype=torch.uint8)], dim=2)
+        return positions, tier
 
     def query_window_bytes(self) -> int:
         return tensor_bytes(self._queries, self._query_positions)
@@ -166,6 +198,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store = None
+        self.tier = None
         self.seen = 0
         self._queries = self._query_positions = None
         self._queries_filled = self._queries_next = 0
@@ -181,11 +214,25 @@ class CompressedLayer(CacheLayerMixin):
         if repeats == 1 or self.store is None:
             return
         self.store.repeat_batch(repeats)
+        if self.tier is not None:
+            self.tier.repeat_batch(repeats)
         if self._queries is not None:
             self._queries = self._queries.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise CacheMisuseError("batch selection is not supported by the compressed cache")
+
+
+class _TieredEntries:
+    """Where a scorer's observation lands when its view spans the FP store and the INT2 tier:
+    the first ``fp_length`` columns belong to the store, the rest to the tier's windows."""
+
+    def __init__(self, store: VarlenKVStore, tier: Int2Tier, fp_length: int, slot: torch.Tensor) -> None:
+        self.store, self.tier, self.fp_length, self.slot = store, tier, fp_length, slot
+
+    def add_state(self, name: str, padded: torch.Tensor) -> None:
+        self.store.add_state(name, padded[..., : self.fp_length])
+        self.tier.add_state(name, padded[..., self.fp_length :], self.slot)
 
 
 class CompressedCache(Cache):
@@ -209,6 +256,7 @@ class CompressedCache(Cache):
         gates: torch.nn.Module | None = None,
         prefill_chunk: int | None = None,
         attention_backend: str = "auto",
+        tiers: TierConfig | None = None,
     ) -> None:
         if attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
@@ -219,6 +267,8 @@ class CompressedCache(Cache):
         self.adapter = adapter
         self.ledger = TokenLedger(adapter)
         self.evictor = Evictor(scorer, allocation, budget, evict_every, slack, seed)
+        self.tiers = tiers
+        self.router = TierRouter(tiers) if tiers is not None else None
         self.policy_name = policy_name
         self.model_id = model_id
         self.prefill_chunk = prefill_chunk
@@ -330,7 +380,10 @@ class CompressedCache(Cache):
         if not layers or self.ledger.valid_tokens is None:
             return
         start = time.perf_counter()
-        self.evictor.evict(layers, self.ledger)
+        if self.router is not None:
+            self.router.route(self.evictor, layers, self.ledger)
+        else:
+            self.evictor.evict(layers, self.ledger)
         self.evict_seconds += time.perf_counter() - start
         held = self.kv_bytes()["total"]
         self.max_kv_bytes = max(self.max_kv_bytes, held)
@@ -349,7 +402,7 @@ class CompressedCache(Cache):
         return self.ledger.valid_tokens
 
     def num_entries(self) -> int:
-        return sum(layer.store.num_entries() for layer in self.layers if layer.store is not None)
+        return sum(layer.num_entries() for layer in self.layers)
 
     def budget_bytes(self) -> int:
         return report.budget_bytes(self)

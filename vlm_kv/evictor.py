@@ -58,13 +58,13 @@ class Evictor:
         caps = [max(0, self.budget.capacity(int(n)) - self.slack) for n in valid_tokens.tolist()]
         return torch.tensor(caps, dtype=torch.long, device=valid_tokens.device)
 
-    def _protected(self, caps: torch.Tensor, scorer: Scorer) -> tuple[torch.Tensor, torch.Tensor]:
+    def protected(self, caps: torch.Tensor, scorer: Scorer) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = [protected_counts(scorer, int(c)) for c in caps.tolist()]
         sinks = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=caps.device)
         windows = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=caps.device)
         return sinks, windows
 
-    def _scores(self, scorer: Scorer, layer, view, cap_layer: torch.Tensor, ledger: TokenLedger,
+    def layer_scores(self, scorer: Scorer, layer, view, cap_layer: torch.Tensor, ledger: TokenLedger,
                 num_layers: int) -> torch.Tensor:
         scorer = scorer.for_layer(layer.layer_idx)
         ctx = ScoreContext(
@@ -80,16 +80,23 @@ class Evictor:
         )
         if view.length == 0:  # everything was evicted before (a budget of 0 tokens per head)
             return torch.empty(view.valid.shape, dtype=torch.float32, device=view.valid.device)
-        sinks, windows = self._protected(cap_layer, scorer)
+        sinks, windows = self.protected(cap_layer, scorer)
         return protect(scorer.score(ctx), view, sinks, windows, ledger.first_positions, layer.seen)
+
+    def begin_step(self, ledger: TokenLedger) -> tuple[torch.Tensor, Scorer, Allocation]:
+        """Start an eviction (or routing) step: per-sequence capacities, and the step's scorer and allocation."""
+        self.decode_steps_since_eviction = 0
+        caps = self.capacities(ledger.valid_tokens)
+        return caps, self.scorer.for_phase(self.phase), self.allocation.for_step(self.phase, ledger.valid_tokens)
+
+    def end_step(self, entries_before: int, entries_after: int) -> None:
+        self.eviction_steps += 1
+        self.evicted_entries += entries_before - entries_after
 
     @torch.no_grad()
     def evict(self, layers: Sequence, ledger: TokenLedger) -> None:
         """One eviction step over every layer; afterwards the cache holds at most its budget."""
-        self.decode_steps_since_eviction = 0
-        caps = self.capacities(ledger.valid_tokens)
-        scorer = self.scorer.for_phase(self.phase)
-        step_allocation = self.allocation.for_step(self.phase, ledger.valid_tokens)
+        caps, scorer, step_allocation = self.begin_step(ledger)
         states = self.scorer.state_names
         before = sum(layer.store.num_entries() for layer in layers)
         num_layers = len(layers)
@@ -97,18 +104,17 @@ class Evictor:
             scores, modality = [], []
             for layer in layers:
                 view = layer.store.padded_view(with_values=False, states=states)
-                scores.append(self._scores(scorer, layer, view, caps, ledger, num_layers))
+                scores.append(self.layer_scores(scorer, layer, view, caps, ledger, num_layers))
                 modality.append(view.modality)
             keeps = step_allocation.keep_all(scores, caps, modality)
         else:
             keeps = []
             for layer in layers:
                 allocation = step_allocation.for_layer(layer.layer_idx)
-                window = int(self._protected(caps, scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
+                window = int(self.protected(caps, scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
                 cap_layer = allocation.layer_capacity(layer.layer_idx, num_layers, caps, window)
                 view = layer.store.padded_view(with_values=False, states=states)
-                keeps.append(allocation.keep_layer(self._scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer))
+                keeps.append(allocation.keep_layer(self.layer_scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer))
         for layer, keep in zip(layers, keeps):
             layer.store.compact(keep)
-        self.eviction_steps += 1
-        self.evicted_entries += before - sum(layer.store.num_entries() for layer in layers)
+        self.end_step(before, sum(layer.store.num_entries() for layer in layers))

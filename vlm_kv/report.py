@@ -23,28 +23,48 @@ def _stores(cache: "CompressedCache") -> list:
     return [layer.store for layer in cache.layers if layer.store is not None]
 
 
+def _tiers(cache: "CompressedCache") -> list:
+    return [layer.tier for layer in cache.layers if getattr(layer, "tier", None) is not None]
+
+
 def modality_totals(cache: "CompressedCache", weight_by_bytes: bool) -> dict[str, int]:
+    """Entries (or bytes) per modality over every tier; an INT2 entry weighs its window's bytes / w."""
     totals = torch.zeros(len(MODALITIES), dtype=torch.long)
     for store in _stores(cache):
         counts = store.modality_counts().cpu()
         totals += counts * (store.bytes_per_entry if weight_by_bytes else 1)
+    for tier in _tiers(cache):
+        counts = tier.modality_counts(len(MODALITIES)).cpu()
+        totals += counts * (tier.window_bytes() // tier.window if weight_by_bytes else 1)
     return {name: int(v) for name, v in zip(MODALITIES, totals.tolist())}
+
+
+def tier_bytes(cache: "CompressedCache") -> dict[str, int]:
+    """Bytes by tier: ``fp`` (keys and values in the model dtype), ``int2`` (2-bit codes of the
+    windows attended from the INT2 tier), ``scales`` (their fp16 scales and zeros), ``ledger``
+    (codes and grids kept for promoted windows, reused at their next demotion), ``spill`` (host
+    copies for lossless promotion: not kept by this cache, always 0)."""
+    out = {"fp": sum(store.kv_bytes() for store in _stores(cache)), "int2": 0, "scales": 0, "ledger": 0, "spill": 0}
+    for tier in _tiers(cache):
+        for key, value in tier.tier_bytes().items():
+            out[key] += value
+    return out
 
 
 def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     """Bytes allocated: ``total`` (keys and values, per layer / modality / tier), and ``held``
     (total + metadata + query_window + gate_stash). ``unused`` is the part of ``total`` that is
     spare tail capacity (at most ``evict_every`` tokens per head, released at each eviction step)."""
-    per_layer = [layer.store.kv_bytes() if layer.store is not None else 0 for layer in cache.layers]
+    per_layer = [_layer_bytes(layer) for layer in cache.layers]
     total = sum(per_layer)
-    metadata = sum(store.meta_bytes() for store in _stores(cache))
+    metadata = sum(store.meta_bytes() for store in _stores(cache)) + sum(t.meta_bytes() for t in _tiers(cache))
     query_window = sum(layer.query_window_bytes() for layer in cache.layers)
     gate_stash = tensor_bytes(*cache.gate_stash.values())
     return {
         "total": total,
         "per_layer": per_layer,
         "per_modality": modality_totals(cache, weight_by_bytes=True),
-        "per_tier": {"fp": total, "int2": 0},
+        "per_tier": tier_bytes(cache),
         "unused": sum(store.unused_bytes() for store in _stores(cache)),
         "metadata": metadata,
         "query_window": query_window,
@@ -53,10 +73,17 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     }
 
 
+def _layer_bytes(layer) -> int:
+    if layer.store is None:
+        return 0
+    tier = getattr(layer, "tier", None)
+    return layer.store.kv_bytes() + (sum(tier.tier_bytes().values()) if tier is not None else 0)
+
+
 def stats(cache: "CompressedCache") -> dict[str, Any]:
     """Entry counts: total, per layer, per modality, per-head length spread, eviction steps."""
-    per_layer = [layer.store.num_entries() if layer.store is not None else 0 for layer in cache.layers]
-    lengths = [store.head_lengths().flatten().cpu() for store in _stores(cache)]
+    per_layer = [layer.num_entries() for layer in cache.layers]
+    lengths = [_head_lengths(layer) for layer in cache.layers if layer.store is not None]
     heads = torch.cat(lengths).float() if lengths else torch.zeros(1)
     return {
         "policy": cache.policy_name,
@@ -68,7 +95,28 @@ def stats(cache: "CompressedCache") -> dict[str, Any]:
         "head_length": {"min": int(heads.min()), "mean": float(heads.mean()), "max": int(heads.max())},
         "eviction_steps": cache.evictor.eviction_steps,
         "evicted_entries": cache.evictor.evicted_entries,
+        "per_tier": tier_stats(cache),
     }
+
+
+def _head_lengths(layer) -> torch.Tensor:
+    lengths = layer.store.head_lengths().flatten().cpu()
+    tier = getattr(layer, "tier", None)
+    return lengths + tier.entries_per_row().cpu() if tier is not None else lengths
+
+
+def tier_stats(cache: "CompressedCache") -> dict[str, int]:
+    """Entries per tier and the moves between tiers (windows) since the cache was built."""
+    tiers = _tiers(cache)
+    out = {
+        "fp_entries": sum(store.num_entries() for store in _stores(cache)),
+        "int2_entries": sum(t.num_entries() for t in tiers),
+        "int2_windows": sum(t.num_active for t in tiers),
+        "ledger_windows": sum(len(t) - t.num_active for t in tiers),
+    }
+    for name in ("quantized", "ledger_reuses", "demotions", "promotions", "evicted_windows"):
+        out[name] = sum(getattr(t.counters, name) for t in tiers)
+    return out
 
 
 def budget_bytes(cache: "CompressedCache") -> int:

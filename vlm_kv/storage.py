@@ -41,6 +41,19 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 
 @dataclass
+class Entries:
+    """Loose entries to insert into a store: row (b * H + h) [n], keys/values [n, D], positions [n],
+    modality [n], state name -> [n]."""
+
+    rows: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    modality: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class PaddedView:
     """Body and tail of one layer, one row per (batch, kv head), left aligned.
 
@@ -346,11 +359,13 @@ class VarlenKVStore:
         return PaddedView(keys, values, positions, modality, valid, state)
 
     # -------------------------------------------------------------- eviction
-    def compact(self, keep: torch.Tensor, view: PaddedView | None = None) -> None:
+    def compact(self, keep: torch.Tensor, view: PaddedView | None = None, insert: "Entries | None" = None) -> None:
         """Keep the entries marked in ``keep`` ([B, H, L], laid out like ``padded_view``) and free the rest.
 
         Reads the kept entries from where they lie (body and tail), so no padded copy of the
         values is needed; ``view`` is accepted for callers that have one but is not required.
+        ``insert`` adds entries (promoted from the INT2 tier) to the new body, each at its place
+        by position within its row.
         """
         B, H, T = self.batch_size, self.num_kv_heads, self.tail_size
         rows = B * H
@@ -366,27 +381,39 @@ class VarlenKVStore:
         if self.body_size:
             new_lengths.index_add_(0, self._rows, body_keep.long())
         new_lengths += tail_keep.sum(dim=1)
-        # Order of the new body: by row, body entries before tail entries (positions ascend).
         body_idx = torch.nonzero(body_keep).flatten()
         tail_r, tail_t = torch.nonzero(tail_keep, as_tuple=True)
-        src_row = torch.cat([self._rows[body_idx], tail_r])
-        src_order = torch.cat([self._cols[body_idx], self.lengths[tail_r] + tail_t])
-        order = torch.argsort(src_row * (self.max_length + T + 1) + src_order)
-
-        def merge(body: torch.Tensor, tail_rows_t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([body[body_idx], tail_rows_t])[order].contiguous()
-
+        batch_of = tail_r // H
         tk = self.tail_keys.reshape(rows, T, self.head_dim)
         tv = self.tail_values.reshape(rows, T, self.head_dim)
-        self.body_keys = merge(self.body_keys, tk[tail_r, tail_t])
-        self.body_values = merge(self.body_values, tv[tail_r, tail_t])
-        batch_of = tail_r // H
-        self.body_positions = merge(self.body_positions, self.tail_positions[tail_t])
-        self.body_modality = merge(self.body_modality, self.tail_modality[batch_of, tail_t])
         tail_state = self.tail_state
-        self.body_state = {
-            n: merge(self.body_state[n], tail_state[n].reshape(rows, T)[tail_r, tail_t]) for n in self.state_names
+        parts = {
+            "rows": [self._rows[body_idx], tail_r],
+            "keys": [self.body_keys[body_idx], tk[tail_r, tail_t]],
+            "values": [self.body_values[body_idx], tv[tail_r, tail_t]],
+            "positions": [self.body_positions[body_idx], self.tail_positions[tail_t]],
+            "modality": [self.body_modality[body_idx], self.tail_modality[batch_of, tail_t]],
         }
+        states = {n: [self.body_state[n][body_idx], tail_state[n].reshape(rows, T)[tail_r, tail_t]] for n in self.state_names}
+        if insert is not None and insert.rows.numel():
+            new_lengths.index_add_(0, insert.rows, torch.ones_like(insert.rows))
+            for name in parts:
+                parts[name].append(getattr(insert, name).to(parts[name][0].dtype))
+            for n in self.state_names:
+                states[n].append(insert.state[n].float())
+        src_row = torch.cat(parts["rows"])
+        src_pos = torch.cat(parts["positions"]).long()
+        # New body order: by row, then by original position (body before tail, promoted entries in between).
+        order = torch.argsort(src_row * (int(src_pos.max()) + 2 if src_pos.numel() else 1) + src_pos)
+
+        def merge(chunks: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(chunks)[order].contiguous()
+
+        self.body_keys = merge(parts["keys"])
+        self.body_values = merge(parts["values"])
+        self.body_positions = merge(parts["positions"])
+        self.body_modality = merge(parts["modality"])
+        self.body_state = {n: merge(states[n]) for n in self.state_names}
         self._set_layout(new_lengths)
         self._release_tail()
 

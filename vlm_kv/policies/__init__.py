@@ -19,6 +19,8 @@ from vlm_kv.policies.rkv import RKV
 from vlm_kv.policies.threshold import RetentionThreshold
 from vlm_kv.policies.visionzip import VisionZip
 from vlm_kv.policies.tova import TOVA
+from vlm_kv.policies.kivi import KIVI2Scorer, QuantizeEverything
+from vlm_kv.policies.qevict import QEvictScorer
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class PolicySpec:
     gate_kind: str | None = None
     needs_strategy: bool = False  # built from a calibrated per-layer strategy (make_cache(strategy=))
     visual_only: bool = False     # evicts image/video entries only; text always stays
+    tierable: bool = True         # its scores can rank windows for the FP / INT2 / evicted tiers
+    default_tiers: dict | None = None  # the policy IS a tiered cache: TierConfig fields it uses
 
     @property
     def needs_gates(self) -> bool:
@@ -53,17 +57,22 @@ POLICIES: dict[str, PolicySpec] = {
     "random": PolicySpec(RandomScorer, Uniform, "random entries (a floor)"),
     "rkv": PolicySpec(RKV, Uniform, "recent-query attention importance minus key-similarity redundancy (R-KV)"),
     "fastv": PolicySpec(FastV, Uniform, "visual tokens ranked by the last token's attention from layer K on; text kept",
-                        visual_only=True),
+                        visual_only=True, tierable=False),
     "visionzip": PolicySpec(VisionZip, Uniform, "dominant visual tokens + one per contextual group; text kept",
-                            visual_only=True),
+                            visual_only=True, tierable=False),
     "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
     "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
                            gate_kind="dbtrimkv"),
     "dbtrimkv_threshold": PolicySpec(RetentionScorer, RetentionThreshold,
                                      "coupled retention gates, keep while score >= log alpha (no fixed budget)",
-                                     gate_kind="dbtrimkv"),
+                                     gate_kind="dbtrimkv", tierable=False),
     "polykv": PolicySpec(PolyKV, PolyKVAllocation, "per-layer, per-phase patterns and budget shares from a calibrated strategy",
-                         needs_strategy=True),
+                         needs_strategy=True, tierable=False),
+    "qevict": PolicySpec(QEvictScorer, Uniform, "H2O window mass routing windows to FP / INT2 / evicted (QEvict)",
+                         default_tiers={}),
+    "kivi2": PolicySpec(KIVI2Scorer, QuantizeEverything,
+                        "everything but sinks and a recent residual in INT2, nothing evicted (KIVI-2)",
+                        default_tiers={"quantize_all": True, "window": 32}),
 }
 
 FULL_POLICY = "full"

@@ -43,6 +43,9 @@ class Scorer:
 
     name: ClassVar[str] = "base"
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: how a tiered cache turns entry scores into one score per window: "sum" for additive
+    #: masses (attention), "logsumexp" for log-domain scores, "max" / "mean" otherwise
+    window_reduce: ClassVar[str] = "sum"
 
     @property
     def query_window(self) -> int:

@@ -16,6 +16,7 @@ class KNorm(Scorer):
     """
 
     name: ClassVar[str] = "knorm"
+    window_reduce: ClassVar[str] = "mean"
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.view.keys.float().norm(dim=-1)

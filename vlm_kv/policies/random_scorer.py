@@ -13,6 +13,7 @@ class RandomScorer(Scorer):
     """Uniformly random scores: the floor any real policy must clear."""
 
     name: ClassVar[str] = "random"
+    window_reduce: ClassVar[str] = "mean"
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         shape = ctx.view.positions.shape

@@ -16,6 +16,7 @@ class StreamingLLM(Scorer):
     """
 
     name: ClassVar[str] = "streaming_llm"
+    window_reduce: ClassVar[str] = "max"  # recency: a window is as recent as its newest entry
     num_sinks: int = 4
 
     @property

@@ -1,0 +1,249 @@
+"""Tiered cache (QEvict): routing by rank under one byte budget, the write-once ledger, attention
+over both tiers, and the errors a user gets for settings that cannot work."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import vlm_kv
+from vlm_kv.int2_tier import QuantizedWindows
+from vlm_kv.testing import record_evictions, tiny_gates, tiny_inputs, tiny_model
+from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig, TierRouter, reduce_windows
+
+TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_llm", "dbtrimkv"]
+
+
+def _kwargs(policy, model):
+    kw = {}
+    if policy in ("snapkv", "adakv", "pyramidkv"):
+        kw["scorer_kwargs"] = {"window": 8}
+    if policy == "dbtrimkv":
+        kw["gates"] = tiny_gates(model)
+    if policy != "qevict":
+        kw["tiers"] = "int2"
+    return kw
+
+
+def _feed(model, cache, tokens, prefill):
+    outs = []
+    with torch.no_grad():
+        outs.append(model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True).logits)
+        for i in range(prefill, tokens.shape[1]):
+            outs.append(model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(outs, dim=1)
+
+
+def _tokens(n, batch=1, seed=0, vocab=256):
+    return torch.randint(5, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# 300 decode steps for three scorers (window mass per row, observation window per layer, gates globally);
+# the other scorers share the code path and run a shorter stream
+LONG = {"qevict", "adakv", "dbtrimkv"}
+
+
+@pytest.mark.parametrize("policy", TIERED)
+def test_held_bytes_stay_within_budget_at_every_routing_event(policy):
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model))
+    steps = record_evictions(cache)
+    decode = 300 if policy in LONG else 64
+    _feed(model, cache, _tokens(64 + decode, batch=2, vocab=model.config.vocab_size), 64)
+    assert len(steps) == 1 + decode // 8  # routing after the prefill and every w = 8 decode steps
+    for held, allowed in steps:
+        assert held <= allowed
+    tiers = cache.stats()["per_tier"]
+    assert tiers["int2_windows"] > 0 and tiers["demotions"] >= tiers["int2_windows"]
+    per_tier = cache.kv_bytes()["per_tier"]
+    assert per_tier["int2"] > 0 and per_tier["scales"] > 0
+    assert sum(per_tier.values()) == cache.kv_bytes()["total"]
+
+
+def test_tiers_hold_more_tokens_than_eviction_alone_at_the_same_bytes():
+    model = tiny_model("llama")
+    tokens = _tokens(200, vocab=model.config.vocab_size)
+    plain = vlm_kv.make_cache(model, policy="h2o", budget=0.2)
+    tiered = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", evict_every=16)
+    _feed(model, plain, tokens, 184)
+    _feed(model, tiered, tokens, 184)
+    assert tiered.kv_bytes()["total"] <= tiered.budget_bytes() == plain.budget_bytes()
+    assert tiered.num_entries() > 1.5 * plain.num_entries()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "dbtrimkv", "snapkv"])
+def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy):
+    model = tiny_model("llama")
+    tokens = _tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
+    ref = _feed(model, DynamicCache(config=model.config), tokens, 40)
+    cache = vlm_kv.make_cache(model, policy=policy, budget=1.0, **_kwargs(policy, model))
+    out = _feed(model, cache, tokens, 40)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert cache.stats()["per_tier"]["quantized"] == 0
+
+
+def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2")
+    _feed(model, cache, _tokens(64, vocab=model.config.vocab_size), 64)
+    layer = cache.layers[0]
+    tier, router = layer.tier, cache.router
+    key = (int(tier.row[0]), int(tier.window_id[0]))
+    codes = [t.clone() for t in tier.codes.select(torch.tensor([0]))._tensors()]
+    quantized = tier.counters.quantized
+
+    def force(decision_of_window):
+        # route again with this window's decision forced, everything else as the policy says
+        decide = router._decide
+
+        def patched(layers, routings, allocation, scorer):
+            decisions, fallback = decide(layers, routings, allocation, scorer)
+            H = decisions[0].shape[1]
+            decisions[0][key[0] // H, key[0] % H, key[1]] = decision_of_window
+            return decisions, fallback
+
+        router._decide = patched
+        cache.evict()
+        router._decide = decide
+
+    def find():
+        hit = ((tier.row == key[0]) & (tier.window_id == key[1])).nonzero().flatten()
+        return int(hit[0]) if hit.numel() else None
+
+    force(FP)  # promotion: back to FP, the ledger entry stays dormant
+    i = find()
+    assert i is not None and not bool(tier.active[i])
+    positions = layer.store.padded_view().positions[key[0] // 2, key[0] % 2]
+    assert ((positions // 8) == key[1]).sum() == 8  # the whole window is FP again
+    force(INT2)  # demotion again: codes come from the ledger
+    i = find()
+    assert bool(tier.active[i])
+    again = tier.codes.select(torch.tensor([i]))._tensors()
+    for a, b in zip(codes, again):
+        assert torch.equal(a, b)
+    assert tier.counters.quantized == quantized
+    assert tier.counters.ledger_reuses >= 1 and tier.counters.promotions >= 1
+
+
+def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2")
+    tokens = _tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
+    mask = torch.ones_like(tokens)
+    mask[1, :5] = 0  # batch padding on the left
+    with torch.no_grad():
+        model(input_ids=tokens[:, :72], attention_mask=mask[:, :72], past_key_values=cache, use_cache=True)
+    layer = cache.layers[1]
+    assert layer.tier.num_active > 0
+    B, H, D = 2, model.config.num_key_value_heads, 16
+    hq = model.config.num_attention_heads
+    query = torch.randn(B, hq, 1, D)
+    store = layer.store
+    store.append(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), layer.seen, torch.zeros(B, 1, dtype=torch.uint8),
+                 torch.ones(B, 1, dtype=torch.bool))
+    out = layer.attend(query, 0.25)  # [B, 1, Hq, D]
+    fp = store.padded_view()
+    keys, values = layer.tier.codes.dequantize(torch.float32)
+    for b in range(B):
+        for qh in range(hq):
+            h = qh // (hq // H)
+            k = [fp.keys[b, h][fp.valid[b, h]]]
+            v = [fp.values[b, h][fp.valid[b, h]]]
+            mine = layer.tier.active & (layer.tier.row == b * H + h)
+            present = layer.tier.positions[mine] >= 0
+            k.append(keys[mine][present])
+            v.append(values[mine][present])
+            k, v = torch.cat(k), torch.cat(v)
+            ref = F.scaled_dot_product_attention(query[b, qh, None, None], k[None, None], v[None, None], scale=0.25)
+            torch.testing.assert_close(out[b, 0, qh], ref[0, 0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_tiers_with_images_and_a_second_turn_stay_within_budget():
+    model = tiny_model("qwen2_5_vl")
+    turn1 = tiny_inputs(model, num_images=2, text_len=24, seed=0)
+    turn2 = tiny_inputs(model, num_images=1, text_len=16, seed=1)
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4, scorer_kwargs={"window": 4})
+    steps = record_evictions(cache)
+    with torch.no_grad():
+        for turn in (turn1, turn2):
+            logits = model(**{k: v for k, v in turn.items() if k != "attention_mask"}, past_key_values=cache,
+                           use_cache=True).logits
+            tok = logits[:, -1:].argmax(-1)
+            for _ in range(12):
+                tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert len(steps) >= 6
+    for held, allowed in steps:
+        assert held <= allowed
+    report = cache.kv_bytes()
+    assert report["per_modality"]["image"] > 0
+    assert cache.stats()["per_tier"]["int2_entries"] > 0
+    positions, tier = cache.layers[0].held_positions()
+    held = positions[positions >= 0]
+    assert held.unique().numel() == held.numel() or positions.shape[1] > 1  # no entry held twice in a row
+    assert bool((tier == 1).any())
+
+
+def test_kivi2_quantizes_everything_but_sinks_and_residual_and_evicts_nothing():
+    model = tiny_model("llama")
+    tokens = _tokens(96 + 20, vocab=model.config.vocab_size)
+    cache = vlm_kv.make_cache(model, policy="kivi2", budget=1.0, window=8, scorer_kwargs={"residual": 16})
+    _feed(model, cache, tokens, 96)
+    assert cache.evicted_entries == 0
+    assert cache.num_entries() == cache.get_seq_length() * 2 * model.config.num_key_value_heads
+    stats = cache.stats()["per_tier"]
+    # sinks window (8) + the residual (>= 16, rounded to whole windows, plus the open window) stay FP
+    per_row_fp = stats["fp_entries"] // (2 * model.config.num_key_value_heads)
+    assert 8 + 16 <= per_row_fp <= 8 + 16 + 2 * 8
+    assert cache.kv_bytes()["total"] < 0.6 * cache.full_kv_bytes()
+    with pytest.raises(vlm_kv.budget.BudgetError, match="budget=1.0"):
+        vlm_kv.make_cache(model, policy="kivi2", budget=0.1)
+
+
+def test_route_candidates_follows_the_three_rules():
+    router = TierRouter(TierConfig(int2_share=0.5, window=8))
+    group = torch.zeros(6, dtype=torch.long)
+    score = torch.tensor([6.0, 5, 4, 3, 2, 1])
+    cost = torch.full((6,), 100)
+    b_q = 25
+    # rule 1: everything fits in FP
+    assert router._route_candidates(group, score, cost, torch.tensor([600]), b_q, 1).tolist() == [FP] * 6
+    # rule 2: 4 FP + 2 INT2 = 450 fits 450, nothing evicted
+    assert router._route_candidates(group, score, cost, torch.tensor([450]), b_q, 1).tolist() == [FP] * 4 + [INT2] * 2
+    # rule 3: (1 - 0.5) * 140 = 70 -> no FP window; 140 // 25 = 5 INT2, the last evicted
+    assert router._route_candidates(group, score, cost, torch.tensor([140]), b_q, 1).tolist() == [INT2] * 5 + [EVICT]
+    # ranking is by score, not by order
+    shuffled = router._route_candidates(group, score.flip(0), cost, torch.tensor([450]), b_q, 1)
+    assert shuffled.tolist() == [INT2] * 2 + [FP] * 4
+
+
+def test_window_scores_reduce_as_their_scorer_says():
+    scores = torch.tensor([1.0, 2.0, float("-inf"), 3.0])
+    window = torch.tensor([0, 0, 0, 1])
+    assert reduce_windows(scores, window, 2, "sum").tolist() == [3.0, 3.0]
+    assert reduce_windows(scores, window, 2, "max").tolist() == [2.0, 3.0]
+    lse = reduce_windows(scores, window, 2, "logsumexp")
+    assert abs(float(lse[0]) - float(torch.logsumexp(torch.tensor([1.0, 2.0]), 0))) < 1e-6
+
+
+def test_quantized_windows_round_trip_their_grid():
+    keys, values = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
+    q = QuantizedWindows.quantize(keys, values)
+    k, v = q.dequantize(torch.float32)
+    assert (k - keys).abs().le(q.key_scale.float()[:, None, :] / 2 + 1e-6).all()
+    assert (v - values).abs().le(q.value_scale.float()[:, :, None] / 2 + 1e-6).all()
+    assert q.code_bytes() == 2 * 3 * 8 * 4 and q.grid_bytes() == 3 * (2 * 2 * 16 + 2 * 2 * 8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"policy": "h2o", "tiers": "int2", "int2_share": 1.0}, "int2_share"),
+    ({"policy": "h2o", "tiers": "int2", "int2_share": -0.1}, "int2_share"),
+    ({"policy": "h2o", "tiers": "int2", "window": 0}, "window"),
+    ({"policy": "fastv", "tiers": "int2"}, "cannot route windows"),
+    ({"policy": "dbtrimkv_threshold", "tiers": "int2"}, "cannot route windows"),
+    ({"policy": "h2o", "tiers": "int4"}, "tiers must be"),
+    ({"policy": "h2o", "window": 8}, "pass tiers='int2'"),
+    ({"policy": "qevict", "tiers": "none"}, "tiered cache"),
+])
+def test_bad_tier_settings_are_refused_clearly(kwargs, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        vlm_kv.make_cache(model, budget=0.2, **kwargs)

@@ -1,0 +1,288 @@
+"""The INT2 tier of one layer and its write-once quantization ledger (QEvict).
+
+A *window* is ``w`` consecutive positions of one (batch, kv head) row: window id
+``position // w``. A window is quantized once, at its first demotion from full precision
+(KIVI's grid: keys per channel over the window, values per token), and its codes go into the
+ledger. While the window lives in the INT2 tier its ledger entry is *active*: attention reads
+it (dequantized) in the same softmax as the FP entries, and scorers keep accruing state on it.
+A promotion dequantizes the codes back into the FP store and leaves the entry *dormant*; a later
+demotion reuses the stored codes instead of quantizing the (already lossy) FP copy again, so
+error never compounds. Evicting a window drops its entry.
+
+Only complete windows (every position already seen) are ever quantized, so no new token can
+join a window that lives in INT2; the router guarantees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values, int2_window_bytes, quantize_keys, quantize_values
+from vlm_kv.storage import PaddedView, tensor_bytes
+
+
+@dataclass
+class QuantizedWindows:
+    """Codes and grids of ``n`` windows, exactly sized (see ``vlm_kv.kernels.int2`` for the layout)."""
+
+    key_codes: torch.Tensor    # [n, w, D // 4] uint8
+    key_scale: torch.Tensor    # [n, D] float16
+    key_zero: torch.Tensor     # [n, D] float16
+    value_codes: torch.Tensor  # [n, w, D // 4] uint8
+    value_scale: torch.Tensor  # [n, w] float16
+    value_zero: torch.Tensor   # [n, w] float16
+
+    @classmethod
+    def empty(cls, window: int, head_dim: int, device: torch.device) -> "QuantizedWindows":
+        u8, f16 = torch.uint8, torch.float16
+        return cls(
+            torch.empty(0, window, head_dim // 4, dtype=u8, device=device),
+            torch.empty(0, head_dim, dtype=f16, device=device),
+            torch.empty(0, head_dim, dtype=f16, device=device),
+            torch.empty(0, window, head_dim // 4, dtype=u8, device=device),
+            torch.empty(0, window, dtype=f16, device=device),
+            torch.empty(0, window, dtype=f16, device=device),
+        )
+
+    @classmethod
+    def quantize(cls, keys: torch.Tensor, values: torch.Tensor) -> "QuantizedWindows":
+        """keys/values [n, w, D] -> their codes and grids."""
+        kc, ks, kz = quantize_keys(keys)
+        vc, vs, vz = quantize_values(values)
+        return cls(kc, ks, kz, vc, vs, vz)
+
+    def __len__(self) -> int:
+        return self.key_codes.shape[0]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def select(self, idx: torch.Tensor) -> "QuantizedWindows":
+        return QuantizedWindows(*(t.index_select(0, idx) for t in self._tensors()))
+
+    @staticmethod
+    def cat(parts: list["QuantizedWindows"]) -> "QuantizedWindows":
+        return QuantizedWindows(*(torch.cat(ts) for ts in zip(*(p._tensors() for p in parts))))
+
+    def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, w, D] keys and values in ``dtype``."""
+        keys = dequantize_keys(self.key_codes, self.key_scale, self.key_zero).to(dtype)
+        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero).to(dtype)
+        return keys, values
+
+    def code_bytes(self) -> int:
+        return self.key_codes.nbytes + self.value_codes.nbytes
+
+    def grid_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.key_scale, self.key_zero, self.value_scale, self.value_zero))
+
+
+@dataclass
+class TierCounters:
+    """What moved between tiers since the cache was built."""
+
+    quantized: int = 0        # windows quantized (first demotions: each window at most once per life)
+    ledger_reuses: int = 0    # demotions that reused a dormant ledger entry's codes
+    demotions: int = 0        # FP -> INT2, windows
+    promotions: int = 0       # INT2 -> FP, windows
+    evicted_windows: int = 0  # INT2 windows evicted
+
+
+@dataclass
+class TierView:
+    """The active windows of a layer laid out per row like ``PaddedView`` ([B, H, Lq]),
+    with ``slot`` [B, H, Lq] = ledger index * w + slot in the window (-1 where empty)."""
+
+    view: PaddedView
+    slot: torch.Tensor
+
+
+class Int2Tier:
+    """Quantized windows of one layer: the INT2 tier (active entries) and the dormant ledger."""
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype,
+                 device: torch.device, state_names: tuple[str, ...] = ()) -> None:
+        if head_dim % 4:
+            raise ValueError(f"INT2 packs four channels per byte: head_dim {head_dim} must be a multiple of 4")
+        self.batch_size = batch_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.window = window
+        self.dtype = dtype
+        self.device = device
+        self.state_names = tuple(state_names)
+        self.codes = QuantizedWindows.empty(window, head_dim, device)
+        self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
+        self.window_id = torch.empty(0, dtype=torch.long, device=device)  # position // w
+        self.positions = torch.empty(0, window, dtype=torch.int32, device=device)  # -1: no entry in that slot
+        self.modality = torch.empty(0, window, dtype=torch.uint8, device=device)
+        self.state = {n: torch.empty(0, window, dtype=torch.float32, device=device) for n in self.state_names}
+        self.active = torch.empty(0, dtype=torch.bool, device=device)
+        self._num_active = 0  # read on every decode step: kept as an int, no device sync
+        self._layout_cache: dict | None = None
+        self.counters = TierCounters()
+
+    # ------------------------------------------------------------------ sizes
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    def num_entries(self) -> int:
+        """Entries attended from this tier (valid slots of active windows)."""
+        return int((self.positions[self.active] >= 0).sum()) if len(self) else 0
+
+    def window_bytes(self) -> int:
+        """Bytes one window of one row holds (codes, scales and zeros)."""
+        return int2_window_bytes(self.window, self.head_dim)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes by part: ``int2`` codes and ``scales`` (scales and zeros) of active windows,
+        ``ledger`` = codes and grids kept for dormant windows. The tensors are exactly sized, so
+        these add up to their storage."""
+        n, active = len(self), self.num_active
+        if n == 0:
+            return {"int2": 0, "scales": 0, "ledger": 0}
+        code, grid = self.codes.code_bytes() // n, self.codes.grid_bytes() // n
+        return {"int2": active * code, "scales": active * grid, "ledger": (n - active) * (code + grid)}
+
+    def meta_bytes(self) -> int:
+        return tensor_bytes(self.row, self.window_id, self.positions, self.modality, self.active, *self.state.values())
+
+    def modality_counts(self, num_modalities: int) -> torch.Tensor:
+        mods = self.modality[self.active][self.positions[self.active] >= 0]
+        return torch.bincount(mods.long(), minlength=num_modalities)[:num_modalities]
+
+    def entries_per_row(self) -> torch.Tensor:
+        """[rows] entries held in the INT2 tier per (batch, kv head)."""
+        rows = self.batch_size * self.num_kv_heads
+        counts = (self.positions >= 0).sum(dim=1) * self.active
+        return torch.zeros(rows, dtype=torch.long, device=self.device).index_add_(0, self.row, counts.long())
+
+    # ------------------------------------------------------------------ views
+    def _layout(self) -> dict:
+        """Where each active window's slots go in ``view`` (fixed between routing events)."""
+        if self._layout_cache is not None:
+            return self._layout_cache
+        B, H, w = self.batch_size, self.num_kv_heads, self.window
+        rows = B * H
+        idx = torch.nonzero(self.active).flatten()
+        if idx.numel():
+            order = torch.argsort(self.row[idx] * (int(self.window_id.max()) + 1) + self.window_id[idx])
+            idx = idx[order]
+        row = self.row[idx]
+        counts = torch.bincount(row, minlength=rows)
+        most = int(counts.max()) if idx.numel() else 0
+        rank = torch.arange(idx.numel(), device=self.device) - (torch.cumsum(counts, 0) - counts)[row]
+        L = most * w
+        dest = ((row * L + rank * w)[:, None] + torch.arange(w, device=self.device)[None]).reshape(-1)
+        layout = {"idx": idx, "dest": dest, "L": L}
+        pos = self.positions[idx]
+        layout["valid"] = self._lay(layout, pos >= 0, False, torch.bool)
+        layout["positions"] = self._lay(layout, pos.long(), -1, torch.long)
+        layout["modality"] = self._lay(layout, self.modality[idx], 0, torch.uint8)
+        slot_ids = idx[:, None] * w + torch.arange(w, device=self.device)[None]
+        layout["slot"] = self._lay(layout, slot_ids, -1, torch.long).masked_fill(~layout["valid"], -1)
+        self._layout_cache = layout
+        return layout
+
+    def _lay(self, layout: dict, src: torch.Tensor, fill, dtype: torch.dtype) -> torch.Tensor:
+        """[n, w, ...] per-window slots -> [B, H, L, ...] per row, left aligned."""
+        B, H, L = self.batch_size, self.num_kv_heads, layout["L"]
+        tail = tuple(src.shape[2:])
+        out = torch.full((B * H * L,) + tail, fill, dtype=dtype, device=self.device)
+        out[layout["dest"]] = src.reshape((-1,) + tail).to(dtype)
+        return out.view((B, H, L) + tail)
+
+    def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None) -> TierView:
+        """Active windows dequantized, per row in window order, left aligned ([B, H, Lq])."""
+        dtype = dtype or self.dtype
+        layout = self._layout()
+        idx = layout["idx"]
+        picked = QuantizedWindows(self.codes.key_codes[idx], self.codes.key_scale[idx], self.codes.key_zero[idx],
+                                  self.codes.value_codes[idx], self.codes.value_scale[idx], self.codes.value_zero[idx]) \
+            if with_values else None
+        if with_values:
+            keys, values = picked.dequantize(dtype)
+            values = self._lay(layout, values, 0, dtype)
+        else:
+            keys = dequantize_keys(self.codes.key_codes[idx], self.codes.key_scale[idx], self.codes.key_zero[idx]).to(dtype)
+            values = None
+        keys = self._lay(layout, keys, 0, dtype)
+        if values is None:
+            values = keys[..., :0]
+        view = PaddedView(
+            keys=keys, values=values, positions=layout["positions"], modality=layout["modality"], valid=layout["valid"],
+            state={n: self._lay(layout, self.state[n][idx], 0.0, torch.float32) for n in states},
+        )
+        return TierView(view, layout["slot"])
+
+    def add_state(self, name: str, padded: torch.Tensor, slot: torch.Tensor) -> None:
+        """Add a [B, H, Lq] quantity laid out like ``view`` (``slot`` from that view) to the entries' state."""
+        keep = slot >= 0
+        if bool(keep.any()):
+            self.state[name].view(-1).index_add_(0, slot[keep], padded[keep].float())
+
+    # ------------------------------------------------------------------ routing
+    def rebuild(self, keep: torch.Tensor, active: torch.Tensor, refreshed: dict[str, torch.Tensor] | None,
+                new: "NewWindows | None") -> None:
+        """Keep ledger entries ``keep`` [n] with activity ``active`` [n]; ``refreshed`` overwrites
+        positions/modality/state of kept entries (rows given by ``refreshed['index']``, into the
+        kept order) and ``new`` appends freshly quantized windows (active)."""
+        idx = torch.nonzero(keep).flatten()
+        codes = self.codes.select(idx)
+        row, wid = self.row[idx], self.window_id[idx]
+        positions, modality = self.positions[idx], self.modality[idx]
+        state = {n: t[idx] for n, t in self.state.items()}
+        act = active[idx]
+        if refreshed is not None and refreshed["index"].numel():
+            at = refreshed["index"]
+            positions[at] = refreshed["positions"]
+            modality[at] = refreshed["modality"]
+            for n in self.state_names:
+                state[n][at] = refreshed["state"][n]
+        if new is not None and len(new.codes):
+            codes = QuantizedWindows.cat([codes, new.codes])
+            row, wid = torch.cat([row, new.row]), torch.cat([wid, new.window_id])
+            positions, modality = torch.cat([positions, new.positions]), torch.cat([modality, new.modality])
+            state = {n: torch.cat([state[n], new.state[n]]) for n in self.state_names}
+            act = torch.cat([act, torch.ones(len(new.codes), dtype=torch.bool, device=self.device)])
+        self.codes, self.row, self.window_id = codes, row, wid
+        self.positions, self.modality, self.state, self.active = positions, modality, state, act
+        self._num_active = int(act.sum())
+        self._layout_cache = None
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every sequence's windows ``repeats`` times (as ``VarlenKVStore.repeat_batch``)."""
+        if repeats == 1:
+            return
+        H = self.num_kv_heads
+        b, h = self.row // H, self.row % H
+        n = len(self)
+        idx = torch.arange(n, device=self.device).repeat(repeats)
+        copy = torch.arange(repeats, device=self.device).repeat_interleave(n)
+        self.codes = self.codes.select(idx)
+        self.row = (b[idx] * repeats + copy) * H + h[idx]
+        self.window_id = self.window_id[idx]
+        self.positions, self.modality = self.positions[idx], self.modality[idx]
+        self.state = {k: t[idx] for k, t in self.state.items()}
+        self.active = self.active[idx]
+        self._num_active *= repeats
+        self._layout_cache = None
+        self.batch_size *= repeats
+
+
+@dataclass
+class NewWindows:
+    """Windows quantized at a routing event, with their metadata."""
+
+    codes: QuantizedWindows
+    row: torch.Tensor
+    window_id: torch.Tensor
+    positions: torch.Tensor
+    modality: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
