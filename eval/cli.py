@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.cli_options import add_tier_args, tier_kwargs
 
 __all__ = ["parse_budget", "register"]
 
@@ -139,6 +140,7 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         config_extra={"model": args.model, "data": problems.source, "split": args.split},
         min_pixels=args.min_pixels,
         max_pixels=args.max_pixels,
+        cache_kwargs=tier_kwargs(args) or None,
     )
     if summary is None:  # a non-main process of a sharded run: the main one merged and reports
         return 0
@@ -218,6 +220,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_pixel_limits(p)
     add_num_processes(p)
+    add_tier_args(p)
     p.set_defaults(func=cmd_mathvision, parser=p)
 
     try:

@@ -32,6 +32,8 @@ def _default_out(args) -> str:
 def cmd_mmdu(args: argparse.Namespace) -> int:
     import torch
 
+    from vlm_kv.cli_options import tier_kwargs
+
     from vlm_kv.eval.mmdu_data import load_mmdu
     from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
     from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
@@ -68,7 +70,7 @@ def cmd_mmdu(args: argparse.Namespace) -> int:
     counts = answer(
         model, processor, data, out,
         policy=args.policy, budget=args.budget, max_new_tokens=args.max_new_tokens, config=config,
-        min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+        min_pixels=args.min_pixels, max_pixels=args.max_pixels, cache_kwargs=tier_kwargs(args) or None,
     )
     if counts is None:  # a non-main process of a sharded run: the main one merged, judges and reports
         return 0
@@ -113,5 +115,8 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
 
     add_pixel_limits(p)
     add_num_processes(p)
+    from vlm_kv.cli_options import add_tier_args
+
+    add_tier_args(p)
     p.set_defaults(func=cmd_mmdu, parser=p)
     return p

@@ -17,6 +17,7 @@ import os
 import sys
 
 from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.cli_options import add_tier_args, tier_kwargs
 
 __all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
 
@@ -59,6 +60,7 @@ def _cache_kwargs(args) -> dict:
         kw["evict_every"] = args.evict_every
     if args.gates:
         kw["gates"] = args.gates
+    kw.update(tier_kwargs(args))
     return kw
 
 
@@ -69,9 +71,11 @@ def _need(args, *names: str) -> None:
 
 
 def _text_model(args):
+    import torch
+
     from vlm_kv.smollm2 import load_model
 
-    return load_model(args.model)
+    return load_model(args.model, dtype=getattr(torch, args.dtype))
 
 
 def _vlm_loader(args):
@@ -84,6 +88,11 @@ def _vlm_loader(args):
         return load_vlm(args.model, args.device)
 
     return load
+
+
+def _text_model_name(args) -> str:
+    # the dtype is part of what a resumed sweep must match
+    return args.model if args.dtype == "float32" else f"{args.model} ({args.dtype})"
 
 
 def build_task(args):
@@ -101,10 +110,10 @@ def build_task(args):
         if args.task == "fidelity":
             continuation = args.continuation if args.continuation is not None else 128
             return sw.FidelityTask(model, tok, args.text, context, continuation, offset=args.offset,
-                                   model_name=args.model, cache_kwargs=kw, progress=False)
+                                   model_name=_text_model_name(args), cache_kwargs=kw, progress=False)
         return sw.RetrievalTask(model, tok, args.text, context, depths=args.depths, trials=args.trials,
                                 offset=args.offset, seed=args.seed, max_new_tokens=args.max_new_tokens or 16,
-                                model_name=args.model, cache_kwargs=kw, progress=False)
+                                model_name=_text_model_name(args), cache_kwargs=kw, progress=False)
     if args.task == "mathvision":
         from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
 
@@ -182,12 +191,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps")
     p.add_argument("--gates", default=None, help="retention gates folder for trimkv / dbtrimkv")
+    add_tier_args(p)
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="generation length (default: retrieval 16, mathvision 4096, mmdu 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = p.add_argument_group("fidelity / retrieval")
     g.add_argument("--text", default=None, help="plain UTF-8 text file")
     g.add_argument("--offset", type=int, default=0, help="character offset into the text")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="text model dtype (budgets are fractions of the full cache in the same dtype)")
     g.add_argument("--context", type=int, default=None,
                    help="tokens of text prefilled (default fidelity 2048, retrieval 1024)")
     g.add_argument("--continuation", type=int, default=None, help="fidelity: tokens fed one at a time (default 128)")

@@ -75,3 +75,22 @@ def test_bench_json_rows_have_the_documented_keys(capsys, monkeypatch, smollm2):
     # chunked prefill holds about budget + chunk, far below the full cache's 96 tokens
     assert snap["peak_kv_bytes_prefill"] < full["peak_kv_bytes_prefill"]
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in rows)
+
+
+def test_tier_options_are_checked_before_the_model_loads(shared_data, capsys, no_model_load):
+    text = shared_data / "text" / "pg84.txt"
+    assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--window", "4")) == 2
+    assert "--tiers int2" in capsys.readouterr().err
+    assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--tiers", "int2", "--int2-share", "1.5")) == 2
+    assert "int2_share" in capsys.readouterr().err
+
+
+def test_fidelity_with_tiers_reports_them_and_holds_the_budget(shared_data, capsys, monkeypatch, smollm2):
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
+    text = shared_data / "text" / "pg84.txt"
+    code = main(_fidelity(text, "--policy", "h2o", "--budget", "0.25", "--tiers", "int2", "--window", "4",
+                          "--offset", "100000", "--json"))
+    assert code == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["tiers"] == "int2" and row["window"] == 4
+    assert 0 < row["max_kv_bytes"] <= 0.25 * row["full_kv_bytes"] + 1

@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from vlm_kv.cli_options import add_tier_args, tier_kwargs
+
 
 def _load(model: str, dtype: str = "float32", device: str = "cpu"):
     from vlm_kv.smollm2 import load_model
@@ -71,6 +73,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     policy = _check_policy(args.policy, args.gates)
     _check_text(args.text)
     _check_model(args.model)
+    tiers = tier_kwargs(args)
     model, tok = _load(args.model, args.dtype)
     kwargs = {}
     if args.evict_every is not None:
@@ -81,12 +84,14 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         kwargs["prefill_chunk"] = args.prefill_chunk
     if args.strategy:
         kwargs["strategy"] = args.strategy
+    kwargs.update(tiers)
     (result,) = fidelity(
         model, tok, args.text, args.context, args.continuation, [(policy, budget)],
         offset=args.offset, progress=not args.json, **kwargs,
     )
     if args.json:
-        print(json.dumps(dict(result.json_fields(), prefill_chunk=args.prefill_chunk, dtype=args.dtype)))
+        print(json.dumps(dict(result.json_fields(), prefill_chunk=args.prefill_chunk, dtype=args.dtype,
+                              tiers=args.tiers, int2_share=args.int2_share, window=args.window)))
     else:
         r = result
         print(f"policy {r.policy}  budget {r.budget}  context {r.context}  continuation {r.continuation}")
@@ -110,6 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_text(args.text)
     _check_device(args.device)
     _check_model(args.model)
+    tiers = tier_kwargs(args)
     if not args.json:
         print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
     model, tok = _load(args.model, args.dtype, args.device)
@@ -118,7 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{'cache':>22} {'context':>7} {'prefill s':>9} {'ms/token':>9} {'tok/s':>7} {'evict':>6} "
               f"{'KV prefill MiB':>14} {'KV decode MiB':>13} {'peak mem MiB':>12}")
     for row in bench(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
-                     args.prefill_chunk, progress=not args.json):
+                     args.prefill_chunk, progress=not args.json, cache_kwargs=tiers):
         rows.append(row)
         if args.json:
             print(json.dumps(row.as_dict()), flush=True)
@@ -180,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_tier_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=cmd_fidelity)
 
@@ -196,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s and peak prefill KV vs context")
+    add_tier_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("policies", help="list the eviction policies")

@@ -1,0 +1,32 @@
+"""Command-line options several CLIs share (fidelity, bench, sweep, eval): the INT2 tiers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiers", choices=("int2",), default=None,
+                   help="route windows to full precision / INT2 / evicted under the same byte budget (QEvict tiers)")
+    p.add_argument("--int2-share", type=float, default=None,
+                   help="with --tiers: share of the routed bytes spent on INT2 when something must go (default 0.7)")
+    p.add_argument("--window", type=int, default=None, help="with --tiers: tokens per INT2 window (default 8)")
+
+
+def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``make_cache`` keyword arguments for the tier options given (checked by ``make_cache``)."""
+    kw: dict[str, Any] = {}
+    if getattr(args, "tiers", None):
+        kw["tiers"] = args.tiers
+    if getattr(args, "int2_share", None) is not None:
+        kw["int2_share"] = args.int2_share
+    if getattr(args, "window", None) is not None:
+        kw["window"] = args.window
+    if kw and "tiers" not in kw:
+        raise ValueError("--int2-share and --window configure the INT2 tier: add --tiers int2")
+    if kw:
+        from vlm_kv.tier_router import TierConfig
+
+        TierConfig(**{k: v for k, v in kw.items() if k != "tiers"})  # range checks before any model loads
+    return kw
