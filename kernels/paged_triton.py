@@ -227,22 +227,28 @@ def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, valu
 
 def paged_decode_sources_triton(
     query: torch.Tensor,
-    sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    sources: list[tuple],
     scaling: float | None,
     validate: bool = False,
     tile: int = 64,
 ) -> torch.Tensor:
-    """Decode attention over several paged FP sources of one layer in ONE softmax.
+    """Decode attention over several paged sources of one layer in ONE softmax.
 
     Each source is (key_pool, value_pool, block_table, lengths) in the paged layout, e.g. a
-    cache's compacted body and its dense tail of recent tokens. Every source is walked by the
-    split kernel; the partial (max, sum, values) of all sources are merged in float32.
-    Returns [B, Hq, D] in the query dtype.
+    cache's compacted body and its dense tail of recent tokens, optionally followed by an INT2
+    tuple (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, int2_table,
+    int2_counts) read by the same kernel call. Every source is walked by the split kernel; the
+    partial (max, sum, values) of all sources are merged in float32. Returns [B, Hq, D] in the
+    query dtype.
     """
     accs, ms, ls = [], [], []
-    for key_pool, value_pool, block_table, lengths in sources:
+    for source in sources:
+        key_pool, value_pool, block_table, lengths = source[:4]
+        int2 = source[4] if len(source) > 4 else None
         shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
-        acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, None, scaling, None, tile)
+        if int2 is not None:
+            check_int2_store(shape, query.device, *int2, validate)
+        acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, None, tile)
         accs.append(acc), ms.append(m), ls.append(l)
     acc, m, l = torch.cat(accs, dim=1), torch.cat(ms, dim=1), torch.cat(ls, dim=1)
     top = m.max(dim=1, keepdim=True).values

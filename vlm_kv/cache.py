@@ -124,6 +124,9 @@ class CompressedLayer(CacheLayerMixin):
         """One softmax over the FP entries and the dequantized INT2 windows; scorers observe both."""
         from vlm_kv.tier_router import merge_views
 
+        if (query.shape[2] == 1 and self.cache.use_triton_decode(query) and self.store.tail_all_valid
+                and self.tier.windows_full and not scorer.observes):
+            return self._attend_tiered_triton(query, scaling)
         fp = self.store.padded_view(with_values=True)
         tv = self.tier.view(with_values=True, dtype=query.dtype)
         view, _ = merge_views(fp, tv.view, sort=False)
@@ -131,6 +134,29 @@ class CompressedLayer(CacheLayerMixin):
         if scorer.observes:
             scorer.observe(_TieredEntries(self.store, self.tier, fp.length, tv.slot), query, view, query_positions, scaling)
         return out
+
+    def _attend_tiered_triton(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Decode through the Triton kernel: body (one-entry blocks) with the packed INT2 windows,
+        then the tail, in one softmax; the kernel reads the 2-bit codes directly."""
+        from vlm_kv.kernels.paged_triton import paged_decode_sources_triton
+
+        store = self.store
+        b, hq, _, d = query.shape
+        rows = store.batch_size * store.num_kv_heads
+        dev = query.device
+        if store.body_size:
+            table, lengths = store.body_table()
+            body = (store.body_keys.view(-1, 1, d), store.body_values.view(-1, 1, d), table, lengths)
+        else:
+            empty = store.body_keys.new_zeros(0, 1, d)
+            body = (empty, empty, torch.zeros(rows, 1, dtype=torch.int32, device=dev),
+                    torch.zeros(rows, dtype=torch.int32, device=dev))
+        cap, T = store.tail_capacity, store.tail_size
+        tail_table = (torch.arange(rows, device=dev) * cap)[:, None] + torch.arange(T, device=dev)[None]
+        tail = (store._tail_k.view(-1, 1, d), store._tail_v.view(-1, 1, d), tail_table.to(torch.int32),
+                torch.full((rows,), T, dtype=torch.int32, device=dev))
+        out = paged_decode_sources_triton(query[:, :, 0].contiguous(), [body + (self.tier.kernel_pools(),), tail], scaling)
+        return out.view(b, 1, hq, d)
 
     def num_entries(self) -> int:
         """Entries held in every tier."""

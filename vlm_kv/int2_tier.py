@@ -187,6 +187,10 @@ class Int2Tier:
         layout["modality"] = self._lay(layout, self.modality[idx], 0, torch.uint8)
         slot_ids = idx[:, None] * w + torch.arange(w, device=self.device)[None]
         layout["slot"] = self._lay(layout, slot_ids, -1, torch.long).masked_fill(~layout["valid"], -1)
+        table = torch.zeros(rows, max(most, 1), dtype=torch.int32, device=self.device)
+        table[row, rank] = idx.to(torch.int32)
+        layout["table"] = (table, counts.to(torch.int32))
+        layout["full"] = bool((pos >= 0).all())
         self._layout_cache = layout
         return layout
 
@@ -197,6 +201,21 @@ class Int2Tier:
         out = torch.full((B * H * L,) + tail, fill, dtype=dtype, device=self.device)
         out[layout["dest"]] = src.reshape((-1,) + tail).to(dtype)
         return out.view((B, H, L) + tail)
+
+    def window_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Active windows per row for the kernels: ([rows, max_windows] int32 ledger index, [rows] int32 counts)."""
+        return self._layout()["table"]
+
+    @property
+    def windows_full(self) -> bool:
+        """Every active window holds w entries (kernels read whole windows; a window with empty
+        slots, from batch padding or a fallback step, needs the masked PyTorch path)."""
+        return self._layout()["full"]
+
+    def kernel_pools(self) -> tuple[torch.Tensor, ...]:
+        """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts."""
+        c = self.codes
+        return (c.key_codes, c.key_scale, c.key_zero, c.value_codes, c.value_scale, c.value_zero, *self.window_table())
 
     def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None) -> TierView:
         """Active windows dequantized, per row in window order, left aligned ([B, H, Lq])."""

@@ -31,3 +31,31 @@ def test_triton_decode_with_a_full_budget_matches_dynamic_cache(triton_kernels):
     out = model.generate(**kwargs, cache=vlm_kv.make_cache(model, policy="tova", budget=1.0, evict_every=2,
                                                            attention_backend="triton"))
     assert torch.equal(out, ref)
+
+
+def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kernels, monkeypatch):
+    """The kernel reads the packed INT2 windows beside the FP body and tail, in one softmax."""
+    from vlm_kv.cache import CompressedLayer
+
+    calls = []
+    kernel_path = CompressedLayer._attend_tiered_triton
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.layer_idx)
+        return kernel_path(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompressedLayer, "_attend_tiered_triton", counted)
+    model = tiny_model("qwen2")
+    ids = torch.randint(16, 200, (1, 72), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    runs, held = {}, {}
+    for backend in ("torch", "triton"):
+        cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4,
+                                  scorer_kwargs={"window": 4}, attention_backend=backend)
+        runs[backend] = model.generate(**kwargs, cache=cache)
+        held[backend] = cache.stats()["per_tier"]
+    assert held["triton"]["int2_windows"] > 0 and held["triton"] == held["torch"]
+    assert len(calls) >= 9 * model.config.num_hidden_layers  # every decode step after the prefill's routing
+    assert torch.equal(runs["triton"].sequences, runs["torch"].sequences)
+    torch.testing.assert_close(torch.stack(runs["triton"].logits), torch.stack(runs["torch"].logits), rtol=1e-4, atol=1e-4)
