@@ -50,6 +50,7 @@ def make_cache(
     tiers: str | None = None,
     int2_share: float | None = None,
     window: int | None = None,
+    key_rope: str | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -77,6 +78,8 @@ def make_cache(
     int2_share: with tiers, the share of the routed bytes spent on INT2 windows when something
         must be evicted (default 0.7), in [0, 1).
     window: with tiers, tokens per window (default 8; 32 for kivi2).
+    key_rope: with tiers, quantize keys as cached ("post" RoPE, the default) or rotated back to
+        "pre" RoPE at their positions (KIVI's per-channel outliers; standard RoPE only).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -92,7 +95,7 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
-    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window)
+    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
@@ -108,18 +111,23 @@ def make_cache(
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
     adapter = attach(model)
+    rotation = None
+    if tier_config is not None and tier_config.key_rope == "pre":
+        from vlm_kv.rope_keys import KeyRotation
+
+        rotation = KeyRotation.from_model(model, adapter.uses_mrope)
     gate_module = None
     if gate_kind is not None or gates is not None:
         gate_module = _resolve_gates(model, gates, gate_kind or "dbtrimkv", key)
     return CompressedCache(
         adapter, scorer, alloc, budget, evict_every=evict_every, slack=slack, policy_name=key,
         model_id=id(model), seed=seed, gates=gate_module, prefill_chunk=prefill_chunk,
-        attention_backend=attention_backend, tiers=tier_config,
+        attention_backend=attention_backend, tiers=tier_config, key_rotation=rotation,
     )
 
 
 def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
-                 window: int | None) -> TierConfig | None:
+                 window: int | None, key_rope: str | None = None) -> TierConfig | None:
     """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
     if tiers is not None and tiers not in ("int2", "none"):
         raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
@@ -128,8 +136,8 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if tiers in (None, "none"):
         if spec.default_tiers is not None:
             raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
-        if int2_share is not None or window is not None:
-            raise ValueError("int2_share= and window= configure the INT2 tier: pass tiers='int2' too")
+        if int2_share is not None or window is not None or key_rope is not None:
+            raise ValueError("int2_share=, window= and key_rope= configure the INT2 tier: pass tiers='int2' too")
         return None
     if not spec.tierable:
         raise ValueError(
@@ -144,6 +152,8 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         fields["int2_share"] = int2_share
     if window is not None:
         fields["window"] = window
+    if key_rope is not None:
+        fields["key_rope"] = key_rope
     return TierConfig(**fields)
 
 

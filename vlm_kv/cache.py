@@ -65,7 +65,7 @@ class CompressedLayer(CacheLayerMixin):
                                    tail_reserve=self.cache.evictor.evict_every)
         if self.cache.tiers is not None:
             self.tier = Int2Tier(b, h, d, self.cache.tiers.window, key_states.dtype, key_states.device,
-                                 self.cache.scorer.state_names)
+                                 self.cache.scorer.state_names, rope=self.cache.key_rotation)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -283,6 +283,7 @@ class CompressedCache(Cache):
         prefill_chunk: int | None = None,
         attention_backend: str = "auto",
         tiers: TierConfig | None = None,
+        key_rotation=None,
     ) -> None:
         if attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
@@ -294,6 +295,7 @@ class CompressedCache(Cache):
         self.ledger = TokenLedger(adapter)
         self.evictor = Evictor(scorer, allocation, budget, evict_every, slack, seed)
         self.tiers = tiers
+        self.key_rotation = key_rotation  # KeyRotation for pre-RoPE INT2 keys (tiers.key_rope == "pre")
         self.router = TierRouter(tiers) if tiers is not None else None
         self.policy_name = policy_name
         self.model_id = model_id

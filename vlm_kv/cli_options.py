@@ -12,6 +12,8 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int2-share", type=float, default=None,
                    help="with --tiers: share of the routed bytes spent on INT2 when something must go (default 0.7)")
     p.add_argument("--window", type=int, default=None, help="with --tiers: tokens per INT2 window (default 8)")
+    p.add_argument("--key-rope", choices=("post", "pre"), default=None,
+                   help="with --tiers: quantize keys as cached (post-RoPE, default) or rotated back to pre-RoPE")
 
 
 def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -23,8 +25,10 @@ def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["int2_share"] = args.int2_share
     if getattr(args, "window", None) is not None:
         kw["window"] = args.window
+    if getattr(args, "key_rope", None) is not None:
+        kw["key_rope"] = args.key_rope
     if kw and "tiers" not in kw:
-        raise ValueError("--int2-share and --window configure the INT2 tier: add --tiers int2")
+        raise ValueError("--int2-share, --window and --key-rope configure the INT2 tier: add --tiers int2")
     if kw:
         from vlm_kv.tier_router import TierConfig
 

@@ -103,7 +103,7 @@ class Int2Tier:
     """Quantized windows of one layer: the INT2 tier (active entries) and the dormant ledger."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype,
-                 device: torch.device, state_names: tuple[str, ...] = ()) -> None:
+                 device: torch.device, state_names: tuple[str, ...] = (), rope=None) -> None:
         if head_dim % 4:
             raise ValueError(f"INT2 packs four channels per byte: head_dim {head_dim} must be a multiple of 4")
         self.batch_size = batch_size
@@ -113,6 +113,7 @@ class Int2Tier:
         self.dtype = dtype
         self.device = device
         self.state_names = tuple(state_names)
+        self.rope = rope  # a KeyRotation when keys are quantized pre-RoPE, else None
         self.codes = QuantizedWindows.empty(window, head_dim, device)
         self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
         self.window_id = torch.empty(0, dtype=torch.long, device=device)  # position // w
@@ -208,9 +209,10 @@ class Int2Tier:
 
     @property
     def windows_full(self) -> bool:
-        """Every active window holds w entries (kernels read whole windows; a window with empty
-        slots, from batch padding or a fallback step, needs the masked PyTorch path)."""
-        return self._layout()["full"]
+        """Every active window holds w entries and its codes are post-RoPE keys (kernels read whole
+        windows as stored; empty slots, from batch padding or a fallback step, and pre-RoPE codes
+        need the PyTorch path)."""
+        return self._layout()["full"] and self.rope is None
 
     def kernel_pools(self) -> tuple[torch.Tensor, ...]:
         """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts."""
@@ -226,11 +228,13 @@ class Int2Tier:
                                   self.codes.value_codes[idx], self.codes.value_scale[idx], self.codes.value_zero[idx]) \
             if with_values else None
         if with_values:
-            keys, values = picked.dequantize(dtype)
+            keys, values = picked.dequantize(torch.float32)
             values = self._lay(layout, values, 0, dtype)
         else:
-            keys = dequantize_keys(self.codes.key_codes[idx], self.codes.key_scale[idx], self.codes.key_zero[idx]).to(dtype)
+            keys = dequantize_keys(self.codes.key_codes[idx], self.codes.key_scale[idx], self.codes.key_zero[idx])
             values = None
+        if self.rope is not None:
+            keys = self.rope.rotate(keys, self.positions[idx])
         keys = self._lay(layout, keys, 0, dtype)
         if values is None:
             values = keys[..., :0]

@@ -57,8 +57,11 @@ class TierConfig:
     int2_share: float = 0.7
     window: int = 8
     quantize_all: bool = False
+    key_rope: str = "post"  # quantize keys as cached ("post" RoPE) or rotated back to "pre" RoPE
 
     def __post_init__(self) -> None:
+        if self.key_rope not in ("post", "pre"):
+            raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
         q = self.int2_share
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not (0.0 <= q < 1.0):
             raise ValueError(f"int2_share must be in [0, 1), got {q!r}")
@@ -310,7 +313,7 @@ class TierRouter:
             promote = stay = keep_dormant = reactivate = torch.zeros(0, dtype=torch.bool, device=decision.device)
 
         insert = self._promoted_entries(tier, promote, store.state_names)
-        demoted = self._demoted_windows(r.fp, demote, w, Wn, store.state_names)
+        demoted = self._demoted_windows(r.fp, demote, w, Wn, store.state_names, tier.rope)
         # which demoted windows have a dormant ledger entry: reuse its codes
         new_windows, refreshed = None, None
         keep = stay | keep_dormant | promote | reactivate
@@ -354,6 +357,8 @@ class TierRouter:
             return None
         keys, values = tier.codes.select(idx).dequantize(tier.dtype)
         pos = tier.positions[idx]
+        if tier.rope is not None:
+            keys = tier.rope.rotate(keys, pos).to(tier.dtype)
         present = pos >= 0
         w = tier.window
         return Entries(
@@ -364,7 +369,8 @@ class TierRouter:
         )
 
     @staticmethod
-    def _demoted_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names) -> "_Windows | None":
+    def _demoted_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names,
+                         rope=None) -> "_Windows | None":
         """The FP entries of windows going to INT2, gathered per window ([n, w, ...], by slot)."""
         b, h, l = torch.nonzero(demote, as_tuple=True)
         if b.numel() == 0:
@@ -378,9 +384,12 @@ class TierRouter:
         slot = pos - wid * w
         D = fp.keys.shape[-1]
         dev = fp.keys.device
-        keys = torch.zeros(n, w, D, dtype=fp.keys.dtype, device=dev)
+        entry_keys = fp.keys[b, h, l]
+        if rope is not None:  # quantize pre-RoPE keys (rotated back at each entry's position)
+            entry_keys = rope.unrotate(entry_keys, pos)
+        keys = torch.zeros(n, w, D, dtype=entry_keys.dtype, device=dev)
         values = torch.zeros(n, w, D, dtype=fp.values.dtype, device=dev)
-        keys[inverse, slot] = fp.keys[b, h, l]
+        keys[inverse, slot] = entry_keys
         values[inverse, slot] = fp.values[b, h, l]
         present = torch.zeros(n, w, dtype=torch.bool, device=dev)
         present[inverse, slot] = True
