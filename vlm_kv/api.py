@@ -145,8 +145,9 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
             "budget); tiers work with streaming_llm, h2o, tova, snapkv, pyramidkv, adakv, knorm, random, rkv, "
             "trimkv and dbtrimkv"
         )
-    if getattr(alloc, "modality_floor", None) or getattr(alloc, "modality_cap", None):
-        raise ValueError("modality floors/caps of the global allocation are not applied by the tier router; drop them or tiers")
+    if getattr(alloc, "modality_floor", None) or getattr(alloc, "modality_cap", None) or getattr(alloc, "min_per_head", 0):
+        raise ValueError("modality floors/caps and min_per_head of the global allocation are not applied by the tier "
+                         "router; drop them or tiers")
     fields = dict(spec.default_tiers or {})
     if int2_share is not None:
         fields["int2_share"] = int2_share
