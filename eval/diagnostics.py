@@ -1,0 +1,466 @@
+"""Diagnostics of eviction and tiering decisions, measured against the full cache's attention.
+
+Teacher-forced on a text: prefill ``context`` tokens, then feed ``continuation`` tokens one at a
+time, once with a plain full cache (recording each decode query's attention over every earlier
+position, per KV head) and once with the compressed cache (recording, at every eviction /
+routing event, which windows of ``window`` tokens each layer and KV head still holds, and
+which it holds in full precision). From these records:
+
+- Future Missed Mass (FMM): the share of the next ``horizon`` decode steps' full-cache
+  attention mass, over the history that existed at the event, that falls on windows the
+  compressed cache can no longer reach.
+- Selection churn: 1 - Jaccard of the accessible window sets at consecutive events.
+- Global LIR (latent importance reactivation): among runs where a window stays out of full
+  precision for at least ``lir_m`` consecutive events, the share back in full precision
+  within ``horizon`` decode steps (right-censored runs excluded).
+
+The computations are pure functions over recorded events (``future_missed_mass``,
+``selection_churn``, ``latent_reactivation``); ``diagnose`` runs a model and applies them.
+Definitions and measured numbers: docs/diagnostics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+# Default runs a window must stay out of full precision before it counts as "latent": one
+# event out is often a swap at the top-n boundary; two consecutive events (with the default
+# evict_every 16, at least 16 decode steps apart) is a decision that held.
+DEFAULT_LIR_M = 2
+
+
+@dataclass
+class RoutingEvent:
+    """What the compressed cache held right after one eviction / routing step.
+
+    step: decode steps fed before this event (0 = right after the prefill).
+    seen: positions that existed at the event (prefill length + step).
+    accessible: [layers, kv_heads, num_windows] bool, the layer/head holds at least one entry
+        of the window (any tier).
+    selected: same shape, the layer/head holds at least one entry of the window in full
+        precision (tier 0).
+    """
+
+    step: int
+    seen: int
+    accessible: torch.Tensor
+    selected: torch.Tensor
+
+
+def window_sets(
+    positions: torch.Tensor, tiers: torch.Tensor, window: int, num_windows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accessible and full-precision window sets of one layer from its held entries.
+
+    positions: [kv_heads, L] original positions, -1 for empty slots; tiers: [kv_heads, L]
+    (0 = full precision). Returns two [kv_heads, num_windows] bool tensors.
+    """
+    if positions.shape != tiers.shape or positions.dim() != 2:
+        raise ValueError(f"positions {tuple(positions.shape)} and tiers {tuple(tiers.shape)} must both be [kv_heads, L]")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    valid = positions >= 0
+    ids = torch.div(positions.clamp(min=0), window, rounding_mode="floor")
+    if bool((ids[valid] >= num_windows).any()):
+        raise ValueError(f"a held position lies past the last of {num_windows} windows of {window} tokens")
+    dummy = torch.full_like(ids, num_windows)  # a spare column that absorbs empty slots
+    heads = positions.shape[0]
+
+    def mark(mask: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(heads, num_windows + 1, dtype=torch.bool, device=positions.device)
+        out.scatter_(1, torch.where(mask, ids, dummy), True)
+        return out[:, :num_windows]
+
+    return mark(valid), mark(valid & (tiers == 0))
+
+
+def _check_events(events: list[RoutingEvent]) -> None:
+    for before, after in zip(events, events[1:]):
+        if after.step < before.step or after.seen < before.seen:
+            raise ValueError(f"events out of order: step {before.step} then {after.step}")
+
+
+def future_missed_mass(
+    attention: torch.Tensor, events: list[RoutingEvent], window: int, horizon: int
+) -> list[dict[str, Any]]:
+    """FMM of each event that has at least one decode step after it.
+
+    attention: [steps, layers, kv_heads, positions] full-cache attention of decode step s's
+        query (at position prefill + s) over every position, zero past its own.
+    Returns one dict per event: ``event`` (its index), ``step``, ``future_steps`` (min(horizon,
+    steps left)) and
+    ``fmm`` ([layers, kv_heads] float tensor): future mass on windows that existed at the
+    event and are not accessible, over the future mass on all windows that existed at it.
+    Only positions that existed at the event count (a window still filling counts with its
+    existing tokens only).
+    """
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1 decode step, got {horizon}")
+    _check_events(events)
+    steps = attention.shape[0]
+    out = []
+    for index, event in enumerate(events):
+        future = min(horizon, steps - event.step)
+        if future <= 0:
+            continue
+        if event.seen > attention.shape[-1]:
+            raise ValueError(f"event at step {event.step} saw {event.seen} positions, attention covers {attention.shape[-1]}")
+        mass = attention[event.step : event.step + future, ..., : event.seen].float().sum(0)  # [layers, heads, seen]
+        n_windows = math.ceil(event.seen / window)
+        ids = torch.arange(event.seen, device=mass.device) // window
+        per_window = torch.zeros(*mass.shape[:2], n_windows, dtype=mass.dtype, device=mass.device)
+        per_window.index_add_(2, ids, mass)
+        reachable = event.accessible[..., :n_windows]
+        missed = (per_window * ~reachable).sum(-1)
+        total = per_window.sum(-1)
+        if bool((total <= 0).any()):
+            raise ValueError(f"no attention mass on the history at step {event.step}: the attention record is empty")
+        out.append({"event": index, "step": event.step, "future_steps": future, "fmm": missed / total})
+    return out
+
+
+def selection_churn(events: list[RoutingEvent], window: int) -> list[dict[str, Any]]:
+    """1 - Jaccard(accessible windows) between each event and the one before, per (layer, head).
+
+    Only windows complete (all ``window`` tokens existed) at the earlier event are compared, so
+    windows born in between do not count as churn; two empty sets have churn 0.
+    Returns one dict per consecutive pair: ``event`` and ``step`` (the later event's) and
+    ``churn`` ([layers, kv_heads]).
+    """
+    _check_events(events)
+    out = []
+    for index, (before, after) in enumerate(zip(events, events[1:]), start=1):
+        complete = before.seen // window
+        a = before.accessible[..., :complete]
+        b = after.accessible[..., :complete]
+        inter = (a & b).sum(-1).float()
+        union = (a | b).sum(-1).float()
+        jaccard = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+        out.append({"event": index, "step": after.step, "churn": 1.0 - jaccard})
+    return out
+
+
+@dataclass
+class ReactivationCounts:
+    """Runs of a window out of full precision for >= m events, and what became of them."""
+
+    runs: int = 0          # qualifying runs whose horizon was observed (the denominator)
+    reactivated: int = 0   # of those, back in full precision within the horizon
+    censored: int = 0      # qualifying runs whose horizon reached past the end, never reselected
+
+    @property
+    def lir(self) -> float:
+        return self.reactivated / self.runs if self.runs else float("nan")
+
+
+def latent_reactivation(
+    events: list[RoutingEvent], window: int, m: int, horizon: int, total_steps: int
+) -> ReactivationCounts:
+    """Global LIR over every (layer, kv head, window).
+
+    A run starts at the first event a complete window is not in full precision and lasts while it
+    stays out; it qualifies at its ``m``-th consecutive event out (at decode step q). It counts
+    as reactivated if an event at a step in (q, q + horizon] has it back in full precision, as
+    not reactivated if the horizon passes without that, and as censored (excluded) if it was
+    never reselected and q + horizon lies past ``total_steps``, the last decode step fed.
+    Each run counts at most once.
+    """
+    if m < 1:
+        raise ValueError(f"lir m must be >= 1 event, got {m}")
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1 decode step, got {horizon}")
+    _check_events(events)
+    counts = ReactivationCounts()
+    if not events:
+        return counts
+    shape = events[0].selected.shape
+    run = torch.zeros(shape, dtype=torch.long)
+    pending = torch.full(shape, -1, dtype=torch.long)   # qualifying step of an open run, -1 none
+    resolved = torch.zeros(shape, dtype=torch.bool)     # this run already counted
+    window_ids = torch.arange(shape[-1])
+    for event in events:
+        if event.selected.shape != shape:
+            raise ValueError(f"event at step {event.step} has window sets {tuple(event.selected.shape)}, expected {tuple(shape)}")
+        complete = (window_ids < event.seen // window).expand(shape)
+        selected = event.selected.cpu() & complete
+        out = complete & ~event.selected.cpu()
+        waiting = pending >= 0
+        back = waiting & selected & (event.step - pending <= horizon)
+        expired = waiting & ~back & (event.step - pending > horizon)
+        counts.reactivated += int(back.sum())
+        counts.runs += int(back.sum()) + int(expired.sum())
+        pending[back | expired] = -1
+        resolved |= back | expired
+        run = torch.where(selected, torch.zeros_like(run), run + out.long())
+        resolved &= ~selected
+        qualifies = out & (run >= m) & ~resolved & (pending < 0)
+        pending[qualifies] = event.step
+    open_runs = pending >= 0
+    observed = open_runs & (pending + horizon <= total_steps)
+    counts.runs += int(observed.sum())
+    counts.censored += int((open_runs & ~observed).sum())
+    return counts
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+@dataclass
+class DiagnosticsResult:
+    params: dict[str, Any]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _nan_to_none(x: float) -> float | None:
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def summarize(
+    events: list[RoutingEvent],
+    attention: torch.Tensor,
+    window: int,
+    horizon: int,
+    lir_m: int,
+    params: dict[str, Any] | None = None,
+) -> DiagnosticsResult:
+    """Per-event lists and summary means of FMM, churn and LIR for recorded events.
+
+    The FMM summary averages events whose whole horizon lies inside the continuation (events
+    with a shorter future are listed with their ``future_steps`` but not averaged).
+    """
+    total_steps = attention.shape[0]
+    fmm = {row["event"]: row for row in future_missed_mass(attention, events, window, horizon)}
+    churn = {row["event"]: row["churn"] for row in selection_churn(events, window)}
+    lir = latent_reactivation(events, window, lir_m, horizon, total_steps)
+    rows = []
+    for i, event in enumerate(events):
+        complete = event.seen // window
+        row: dict[str, Any] = {
+            "step": event.step,
+            "seen": event.seen,
+            "accessible_share": float(event.accessible[..., :complete].float().mean()) if complete else None,
+            "fp_share": float(event.selected[..., :complete].float().mean()) if complete else None,
+            "future_steps": 0, "fmm": None, "fmm_per_layer": None, "churn": None,
+        }
+        if i in fmm:
+            f = fmm[i]
+            row.update(future_steps=f["future_steps"], fmm=float(f["fmm"].mean()),
+                       fmm_per_layer=[float(x) for x in f["fmm"].mean(-1)])
+        if i in churn:
+            row["churn"] = float(churn[i].mean())
+        rows.append(row)
+    full = [r for r in rows if r["fmm"] is not None and r["future_steps"] == horizon]
+    churned = [r["churn"] for r in rows if r["churn"] is not None]
+    per_layer = None
+    if full:
+        per_layer = [sum(r["fmm_per_layer"][i] for r in full) / len(full) for i in range(len(full[0]["fmm_per_layer"]))]
+    summary = {
+        "events": len(events),
+        "fmm_events": len(full),
+        "fmm_mean": sum(r["fmm"] for r in full) / len(full) if full else None,
+        "fmm_per_layer": per_layer,
+        "churn_mean": sum(churned) / len(churned) if churned else None,
+        "lir": _nan_to_none(lir.lir),
+        "lir_runs": lir.runs,
+        "lir_reactivated": lir.reactivated,
+        "lir_censored": lir.censored,
+    }
+    return DiagnosticsResult(params=dict(params or {}), events=rows, summary=summary)
+
+
+def _kv_heads(model) -> int:
+    from vlm_kv.models.adapters import get_adapter
+
+    return get_adapter(model).num_kv_heads
+
+
+@torch.no_grad()
+def reference_attention(model, ids: torch.Tensor, context: int, progress: bool = False) -> torch.Tensor:
+    """Full-cache attention of each decode query over every position, per KV head.
+
+    Prefills ``ids[:, :context]`` into a DynamicCache, then feeds the rest one token at a time
+    with eager attention and ``output_attentions``. Returns [steps, layers, kv_heads, positions]
+    float16 (steps = ids.shape[1] - context), each query head's probabilities averaged over its
+    GQA group; step s's row is zero past position context + s.
+    """
+    from transformers import DynamicCache
+
+    from vlm_kv.api import cache_kwarg
+    from vlm_kv.hooks import language_attn_implementation
+    from vlm_kv.models.adapters import get_adapter
+
+    if ids.shape[0] != 1:
+        raise ValueError(f"diagnostics run one sequence, got a batch of {ids.shape[0]}")
+    adapter = get_adapter(model)
+    before = language_attn_implementation(model, adapter)
+    model.set_attn_implementation("eager")  # the only implementation that returns probabilities
+    try:
+        cache = DynamicCache(config=model.config)
+        arg = {cache_kwarg(model): cache}
+        model(input_ids=ids[:, :context], **arg, use_cache=True)
+        steps, total = ids.shape[1] - context, ids.shape[1]
+        kv = adapter.num_kv_heads
+        out = torch.zeros(steps, adapter.num_layers, kv, total, dtype=torch.float16)
+        for s in tqdm(range(steps), desc="full cache (attention)", disable=not progress, leave=False):
+            attn = model(input_ids=ids[:, context + s : context + s + 1], **arg, use_cache=True,
+                         output_attentions=True).attentions
+            if attn is None or len(attn) != adapter.num_layers:
+                raise RuntimeError("the model returned no attention probabilities for every layer (output_attentions)")
+            for layer, probs in enumerate(attn):  # [1, Hq, 1, seen]
+                grouped = probs[0, :, -1].float().reshape(kv, -1, probs.shape[-1]).mean(1)
+                out[s, layer, :, : probs.shape[-1]] = grouped.to(torch.float16)
+    finally:
+        if before is not None and before != "eager":
+            model.set_attn_implementation(before)
+    return out
+
+
+@torch.no_grad()
+def record_events(
+    model, ids: torch.Tensor, context: int, policy: str, budget: float, window: int,
+    progress: bool = False, tiers: str | None = None, int2_share: float | None = None, **cache_kwargs,
+) -> list[RoutingEvent]:
+    """Feed ``ids`` through a compressed cache and record the window sets at every eviction step.
+
+    With ``tiers`` the cache routes by the same ``window`` (passed to make_cache as window=).
+    """
+    from vlm_kv.api import cache_kwarg, make_cache
+    from vlm_kv.cache import CompressedCache
+
+    if int2_share is not None and tiers is None:
+        raise ValueError("int2_share needs tiers")
+    if tiers is not None:
+        cache_kwargs.update(tiers=tiers, window=window)
+        if int2_share is not None:
+            cache_kwargs["int2_share"] = int2_share
+    cache = make_cache(model, policy=policy, budget=budget, **cache_kwargs)
+    if not isinstance(cache, CompressedCache):
+        raise ValueError(f"policy {policy!r} gives a {type(cache).__name__}, not a compressed cache: nothing to diagnose")
+    num_windows = math.ceil(ids.shape[1] / window)
+    fed = {"step": 0}
+    events: list[RoutingEvent] = []
+
+    def listen(c: CompressedCache) -> None:
+        accessible, selected = [], []
+        for layer in c.layers:
+            positions, tiers = layer.held_positions()
+            a, s = window_sets(positions[0], tiers[0], window, num_windows)
+            accessible.append(a)
+            selected.append(s)
+        step = fed["step"]
+        events.append(RoutingEvent(step=step, seen=context + step, accessible=torch.stack(accessible).cpu(),
+                                   selected=torch.stack(selected).cpu()))
+
+    cache.eviction_listeners.append(listen)
+    arg = {cache_kwarg(model): cache}
+    model(input_ids=ids[:, :context], **arg, use_cache=True)
+    for s in tqdm(range(ids.shape[1] - context), desc=f"{policy} @ {budget}", disable=not progress, leave=False):
+        fed["step"] = s + 1  # an eviction at the end of this forward sees s + 1 decode tokens
+        model(input_ids=ids[:, context + s : context + s + 1], **arg, use_cache=True)
+    return events
+
+
+def diagnose(
+    model,
+    tokenizer,
+    text_path: str,
+    policy: str,
+    budget: float,
+    *,
+    offset: int = 0,
+    context: int = 2048,
+    continuation: int = 128,
+    horizon: int = 32,
+    window: int = 8,
+    lir_m: int = DEFAULT_LIR_M,
+    tiers: str | None = None,
+    int2_share: float | None = None,
+    progress: bool = False,
+    **cache_kwargs,
+) -> DiagnosticsResult:
+    """FMM, churn and LIR of ``policy`` at ``budget`` on a text, against the full cache.
+
+    tiers / int2_share: a tiered cache (``make_cache(tiers=..., int2_share=..., window=window)``),
+    routed by the same windows the diagnostics group positions into; untiered when None.
+    """
+    from vlm_kv.fidelity import text_tokens
+
+    check_params(context=context, continuation=continuation, horizon=horizon, window=window, lir_m=lir_m)
+    ids = text_tokens(tokenizer, text_path, offset, context + continuation)
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    attention = reference_attention(model, ids, context, progress)
+    events = record_events(model, ids, context, policy, budget, window, progress, tiers=tiers,
+                           int2_share=int2_share, **cache_kwargs)
+    params = dict(policy=policy, budget=budget, text=str(text_path), offset=offset, context=context,
+                  continuation=continuation, horizon=horizon, window=window, lir_m=lir_m, tiers=tiers,
+                  int2_share=int2_share,
+                  **{k: v for k, v in cache_kwargs.items() if isinstance(v, (int, float, str, bool))})
+    return summarize(events, attention, window, horizon, lir_m, params)
+
+
+def check_params(*, context: int, continuation: int, horizon: int, window: int, lir_m: int) -> None:
+    """Reject settings that cannot give a diagnostic, before any model loads."""
+    for name, value in (("context", context), ("continuation", continuation), ("horizon", horizon),
+                        ("window", window), ("lir-m", lir_m)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if context < 2:
+        raise ValueError(f"--context must be >= 2 tokens (a prefill), got {context}")
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def format_table(result: DiagnosticsResult) -> str:
+    p, s = result.params, result.summary
+
+    def num(x, fmt=".4f"):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [
+        f"policy {p.get('policy')}  budget {p.get('budget')}  context {p.get('context')}  "
+        f"continuation {p.get('continuation')}  window {p.get('window')}  horizon {p.get('horizon')}",
+        f"{'step':>5} {'seen':>6} {'held win':>8} {'FP win':>7} {'future':>6} {'FMM':>8} {'churn':>8}",
+    ]
+    for r in result.events:
+        lines.append(f"{r['step']:>5} {r['seen']:>6} {num(r['accessible_share'], '.3f'):>8} {num(r['fp_share'], '.3f'):>7} "
+                     f"{r['future_steps']:>6} {num(r['fmm']):>8} {num(r['churn']):>8}")
+    lines.append(f"FMM mean {num(s['fmm_mean'])} over {s['fmm_events']} events with a full horizon; "
+                 f"churn mean {num(s['churn_mean'])}")
+    lines.append(f"LIR (m={p.get('lir_m')}) {num(s['lir'], '.3f')}: {s['lir_reactivated']} of {s['lir_runs']} runs "
+                 f"reselected within {p.get('horizon')} steps ({s['lir_censored']} censored)")
+    if s["fmm_per_layer"]:
+        lines.append("FMM per layer: " + " ".join(f"{x:.3f}" for x in s["fmm_per_layer"]))
+    return "\n".join(lines)
+
+
+def plot(result: DiagnosticsResult, path: str) -> None:
+    """PNG: FMM and churn per event against the decode step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = result.params
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, label in ((axes[0], "fmm", f"FMM (horizon {p.get('horizon')})"), (axes[1], "churn", "selection churn")):
+        rows = [r for r in result.events if r[key] is not None]
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
+        ax.set_xlabel("decode step of the event")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{p.get('policy')} @ {p.get('budget')}: window {p.get('window')}, context {p.get('context')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
