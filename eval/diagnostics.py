@@ -44,12 +44,16 @@ class RoutingEvent:
         of the window (any tier).
     selected: same shape, the layer/head holds at least one entry of the window in full
         precision (tier 0).
+    held_tokens: optional [layers, kv_heads, positions] bool, the positions held (any tier), for
+        the token-level missed mass (a window with one token left is reachable, most of its
+        mass is not).
     """
 
     step: int
     seen: int
     accessible: torch.Tensor
     selected: torch.Tensor
+    held_tokens: torch.Tensor | None = None
 
 
 def window_sets(
@@ -77,6 +81,16 @@ def window_sets(
         return out[:, :num_windows]
 
     return mark(valid), mark(valid & (tiers == 0))
+
+
+def held_token_mask(positions: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """[kv_heads, num_positions] bool: which positions a layer holds, from [kv_heads, L] (-1 empty)."""
+    valid = positions >= 0
+    if bool((positions >= num_positions).any()):
+        raise ValueError(f"a held position lies past the {num_positions} positions of the text")
+    out = torch.zeros(positions.shape[0], num_positions + 1, dtype=torch.bool, device=positions.device)
+    out.scatter_(1, torch.where(valid, positions, torch.full_like(positions, num_positions)), True)
+    return out[:, :num_positions]
 
 
 def _check_events(events: list[RoutingEvent]) -> None:
@@ -239,6 +253,10 @@ def summarize(
     """
     total_steps = attention.shape[0]
     fmm = {row["event"]: row for row in future_missed_mass(attention, events, window, horizon)}
+    tokens = {}
+    if events and all(e.held_tokens is not None for e in events):
+        as_windows_of_one = [RoutingEvent(e.step, e.seen, e.held_tokens, e.held_tokens) for e in events]
+        tokens = {row["event"]: row["fmm"] for row in future_missed_mass(attention, as_windows_of_one, 1, horizon)}
     churn = {row["event"]: row["churn"] for row in selection_churn(events, window)}
     lir = latent_reactivation(events, window, lir_m, horizon, total_steps)
     rows = []
@@ -249,12 +267,14 @@ def summarize(
             "seen": event.seen,
             "accessible_share": float(event.accessible[..., :complete].float().mean()) if complete else None,
             "fp_share": float(event.selected[..., :complete].float().mean()) if complete else None,
-            "future_steps": 0, "fmm": None, "fmm_per_layer": None, "churn": None,
+            "future_steps": 0, "fmm": None, "fmm_per_layer": None, "fmm_tokens": None, "churn": None,
         }
         if i in fmm:
             f = fmm[i]
             row.update(future_steps=f["future_steps"], fmm=float(f["fmm"].mean()),
                        fmm_per_layer=[float(x) for x in f["fmm"].mean(-1)])
+        if i in tokens:
+            row["fmm_tokens"] = float(tokens[i].mean())
         if i in churn:
             row["churn"] = float(churn[i].mean())
         rows.append(row)
@@ -268,6 +288,7 @@ def summarize(
         "fmm_events": len(full),
         "fmm_mean": sum(r["fmm"] for r in full) / len(full) if full else None,
         "fmm_per_layer": per_layer,
+        "fmm_tokens_mean": sum(r["fmm_tokens"] for r in full) / len(full) if full and full[0]["fmm_tokens"] is not None else None,
         "churn_mean": sum(churned) / len(churned) if churned else None,
         "lir": _nan_to_none(lir.lir),
         "lir_runs": lir.runs,
@@ -345,20 +366,22 @@ def record_events(
     cache = make_cache(model, policy=policy, budget=budget, **cache_kwargs)
     if not isinstance(cache, CompressedCache):
         raise ValueError(f"policy {policy!r} gives a {type(cache).__name__}, not a compressed cache: nothing to diagnose")
-    num_windows = math.ceil(ids.shape[1] / window)
+    num_positions = ids.shape[1]
+    num_windows = math.ceil(num_positions / window)
     fed = {"step": 0}
     events: list[RoutingEvent] = []
 
     def listen(c: CompressedCache) -> None:
-        accessible, selected = [], []
+        accessible, selected, held = [], [], []
         for layer in c.layers:
             positions, tiers = layer.held_positions()
             a, s = window_sets(positions[0], tiers[0], window, num_windows)
             accessible.append(a)
             selected.append(s)
+            held.append(held_token_mask(positions[0], num_positions))
         step = fed["step"]
         events.append(RoutingEvent(step=step, seen=context + step, accessible=torch.stack(accessible).cpu(),
-                                   selected=torch.stack(selected).cpu()))
+                                   selected=torch.stack(selected).cpu(), held_tokens=torch.stack(held).cpu()))
 
     cache.eviction_listeners.append(listen)
     arg = {cache_kwarg(model): cache}
@@ -430,13 +453,13 @@ def format_table(result: DiagnosticsResult) -> str:
     lines = [
         f"policy {p.get('policy')}  budget {p.get('budget')}  context {p.get('context')}  "
         f"continuation {p.get('continuation')}  window {p.get('window')}  horizon {p.get('horizon')}",
-        f"{'step':>5} {'seen':>6} {'held win':>8} {'FP win':>7} {'future':>6} {'FMM':>8} {'churn':>8}",
+        f"{'step':>5} {'seen':>6} {'held win':>8} {'FP win':>7} {'future':>6} {'FMM':>8} {'FMM tok':>8} {'churn':>8}",
     ]
     for r in result.events:
         lines.append(f"{r['step']:>5} {r['seen']:>6} {num(r['accessible_share'], '.3f'):>8} {num(r['fp_share'], '.3f'):>7} "
-                     f"{r['future_steps']:>6} {num(r['fmm']):>8} {num(r['churn']):>8}")
-    lines.append(f"FMM mean {num(s['fmm_mean'])} over {s['fmm_events']} events with a full horizon; "
-                 f"churn mean {num(s['churn_mean'])}")
+                     f"{r['future_steps']:>6} {num(r['fmm']):>8} {num(r['fmm_tokens']):>8} {num(r['churn']):>8}")
+    lines.append(f"FMM mean {num(s['fmm_mean'])} (token level {num(s['fmm_tokens_mean'])}) over {s['fmm_events']} "
+                 f"events with a full horizon; churn mean {num(s['churn_mean'])}")
     lines.append(f"LIR (m={p.get('lir_m')}) {num(s['lir'], '.3f')}: {s['lir_reactivated']} of {s['lir_runs']} runs "
                  f"reselected within {p.get('horizon')} steps ({s['lir_censored']} censored)")
     if s["fmm_per_layer"]:
@@ -444,23 +467,47 @@ def format_table(result: DiagnosticsResult) -> str:
     return "\n".join(lines)
 
 
-def plot(result: DiagnosticsResult, path: str) -> None:
-    """PNG: FMM and churn per event against the decode step."""
+def plot(results: "DiagnosticsResult | list[DiagnosticsResult]", path: str) -> None:
+    """PNG: FMM (window level solid, token level dashed) and churn per event against the decode
+    step, one line per result (a list compares policies on the same text)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = result.params
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key, label in ((axes[0], "fmm", f"FMM (horizon {p.get('horizon')})"), (axes[1], "churn", "selection churn")):
-        rows = [r for r in result.events if r[key] is not None]
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
+    results = [results] if isinstance(results, DiagnosticsResult) else list(results)
+    if not results:
+        raise ValueError("nothing to plot")
+    p = results[0].params
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, result in enumerate(results):
+        color = f"C{i}"
+        name = f"{result.params.get('policy')} @ {result.params.get('budget')}"
+        for ax, key, style, label in ((left, "fmm", "-", name), (left, "fmm_tokens", "--", None),
+                                      (right, "churn", "-", name)):
+            rows = [r for r in result.events if r.get(key) is not None]
+            if rows:
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], style, marker="o", color=color, label=label)
+    left.set_ylabel(f"FMM, next {p.get('horizon')} steps (dashed: token level)")
+    right.set_ylabel("selection churn (1 - Jaccard)")
+    for ax in (left, right):
         ax.set_xlabel("decode step of the event")
-        ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{p.get('policy')} @ {p.get('budget')}: window {p.get('window')}, context {p.get('context')}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"window {p.get('window')} tokens, context {p.get('context')}, continuation {p.get('continuation')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def load_result(path: str) -> DiagnosticsResult:
+    """A result written by ``vlm-kv diagnose --json``."""
+    import json
+
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    missing = {"params", "events", "summary"} - set(data)
+    if missing:
+        raise ValueError(f"{path} is not a diagnose --json result: it lacks {sorted(missing)}")
+    return DiagnosticsResult(**{k: data[k] for k in ("params", "events", "summary")})

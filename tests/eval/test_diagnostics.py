@@ -11,7 +11,10 @@ from vlm_kv.eval.diagnostics import (
     RoutingEvent,
     diagnose,
     future_missed_mass,
+    held_token_mask,
     latent_reactivation,
+    load_result,
+    plot,
     reference_attention,
     selection_churn,
     summarize,
@@ -49,6 +52,13 @@ def test_window_sets_mark_held_windows_and_full_precision_ones():
 def test_window_sets_reject_positions_past_the_windows():
     with pytest.raises(ValueError, match="past the last"):
         window_sets(torch.tensor([[12]]), torch.zeros(1, 1, dtype=torch.uint8), window=4, num_windows=3)
+
+
+def test_held_token_mask_marks_positions_and_skips_empty_slots():
+    mask = held_token_mask(torch.tensor([[0, 5, -1], [2, -1, -1]]), num_positions=6)
+    assert mask.tolist() == [[True, False, False, False, False, True], [False, False, True, False, False, False]]
+    with pytest.raises(ValueError, match="past the 6 positions"):
+        held_token_mask(torch.tensor([[6]]), num_positions=6)
 
 
 # ----------------------------------------------------------------------------- FMM
@@ -152,6 +162,18 @@ def test_evicted_windows_never_reactivate_in_an_untiered_cache():
     assert counts.runs == 1 and counts.lir == 0.0
 
 
+def test_summary_adds_the_token_level_missed_mass_when_held_tokens_are_recorded():
+    attention = attention_rows([[0.1, 0.3, 0.2, 0.4]], 4)  # query at position 3
+    held = torch.tensor([True, False, True, False]).view(1, 1, -1)
+    ev = RoutingEvent(step=0, seen=3, accessible=torch.tensor([True, True]).view(1, 1, -1),
+                      selected=torch.tensor([True, True]).view(1, 1, -1), held_tokens=held)
+    result = summarize([ev], attention, window=2, horizon=1, lir_m=2)
+    (row,) = result.events
+    # windows {0,1} and {2} both reachable; token 1 is gone: 0.3 of the 0.6 on the history
+    assert row["fmm"] == 0.0 and row["fmm_tokens"] == pytest.approx(0.5)
+    assert result.summary["fmm_tokens_mean"] == pytest.approx(0.5)
+
+
 def test_summary_averages_full_horizon_events_only():
     attention = attention_rows([[0.5, 0.5, 0.0]] * 2 + [[0.25, 0.25, 0.5]], 3)
     events = [event(0, 2, [1, 0]), event(2, 2, [0, 0])]
@@ -199,7 +221,7 @@ def test_reference_attention_rows_are_distributions_over_the_past(tiny):
 def test_runner_at_full_budget_misses_nothing_and_does_not_churn(tiny, text_file):
     result = _diagnose(tiny, text_file, "h2o", 1.0)
     assert [e["step"] for e in result.events] == [0, 4, 8, 12, 16, 20, 24]
-    assert all(e["fmm"] == 0.0 for e in result.events if e["fmm"] is not None)
+    assert all(e["fmm"] == 0.0 and e["fmm_tokens"] == 0.0 for e in result.events if e["fmm"] is not None)
     assert all(e["churn"] == 0.0 for e in result.events[1:])
     s = result.summary
     assert s["fmm_mean"] == 0.0 and s["churn_mean"] == 0.0 and s["fmm_events"] == 5
@@ -215,6 +237,8 @@ def test_runner_under_a_small_budget_reports_bounded_figures(tiny, text_file):
         if e["fmm"] is not None:
             # softmax mass is positive everywhere, so an unreachable window always costs some
             assert 0.0 < e["fmm"] < 1.0 and len(e["fmm_per_layer"]) == 2
+            # a window counts as reachable while one of its tokens is held: tokens miss at least as much
+            assert e["fmm"] <= e["fmm_tokens"] < 1.0
     assert all(0.0 <= e["churn"] <= 1.0 for e in result.events[1:])
     s = result.summary
     assert s["lir_runs"] > 0 and s["lir"] == 0.0  # nothing evicted comes back without tiers
@@ -231,13 +255,18 @@ def _cli_args(text_file, *extra):
 
 def test_cli_json_and_plot(tiny, text_file, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: tiny)
-    plot = tmp_path / "diag.png"
-    assert cli.main(_cli_args(text_file, "--json", "--plot", str(plot))) == 0
+    png = tmp_path / "diag.png"
+    assert cli.main(_cli_args(text_file, "--json", "--plot", str(png))) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"params", "events", "summary"}
     assert out["params"]["policy"] == "snapkv" and out["params"]["window"] == 4 and out["params"]["evict_every"] == 4
     assert len(out["events"]) == 5 and 0.0 < out["summary"]["fmm_mean"] < 1.0
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = tmp_path / "diag.json"
+    saved.write_text(json.dumps(out))
+    both = tmp_path / "both.png"
+    plot([load_result(str(saved)), load_result(str(saved))], str(both))  # policies side by side
+    assert both.read_bytes()[:4] == b"\x89PNG"
     assert cli.main(_cli_args(text_file)) == 0
     assert "FMM mean" in capsys.readouterr().out
 
