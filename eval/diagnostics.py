@@ -260,6 +260,7 @@ def summarize(
     churn = {row["event"]: row["churn"] for row in selection_churn(events, window)}
     lir = latent_reactivation(events, window, lir_m, horizon, total_steps)
     rows = []
+    held_per_layer: list[torch.Tensor] = []  # share of the existing positions each layer holds, per event
     for i, event in enumerate(events):
         complete = event.seen // window
         row: dict[str, Any] = {
@@ -267,8 +268,12 @@ def summarize(
             "seen": event.seen,
             "accessible_share": float(event.accessible[..., :complete].float().mean()) if complete else None,
             "fp_share": float(event.selected[..., :complete].float().mean()) if complete else None,
-            "future_steps": 0, "fmm": None, "fmm_per_layer": None, "fmm_tokens": None, "churn": None,
+            "held_share": None, "future_steps": 0, "fmm": None, "fmm_per_layer": None, "fmm_tokens": None,
+            "churn": None,
         }
+        if event.held_tokens is not None:
+            held_per_layer.append(event.held_tokens[..., : event.seen].float().mean(dim=(1, 2)))
+            row["held_share"] = float(held_per_layer[-1].mean())
         if i in fmm:
             f = fmm[i]
             row.update(future_steps=f["future_steps"], fmm=float(f["fmm"].mean()),
@@ -290,6 +295,7 @@ def summarize(
         "fmm_per_layer": per_layer,
         "fmm_tokens_mean": sum(r["fmm_tokens"] for r in full) / len(full) if full and full[0]["fmm_tokens"] is not None else None,
         "churn_mean": sum(churned) / len(churned) if churned else None,
+        "held_share_per_layer": [float(x) for x in torch.stack(held_per_layer).mean(0)] if held_per_layer else None,
         "lir": _nan_to_none(lir.lir),
         "lir_runs": lir.runs,
         "lir_reactivated": lir.reactivated,
@@ -453,10 +459,10 @@ def format_table(result: DiagnosticsResult) -> str:
     lines = [
         f"policy {p.get('policy')}  budget {p.get('budget')}  context {p.get('context')}  "
         f"continuation {p.get('continuation')}  window {p.get('window')}  horizon {p.get('horizon')}",
-        f"{'step':>5} {'seen':>6} {'held win':>8} {'FP win':>7} {'future':>6} {'FMM':>8} {'FMM tok':>8} {'churn':>8}",
+        f"{'step':>5} {'seen':>6} {'held tok':>8} {'held win':>8} {'FP win':>7} {'future':>6} {'FMM':>8} {'FMM tok':>8} {'churn':>8}",
     ]
     for r in result.events:
-        lines.append(f"{r['step']:>5} {r['seen']:>6} {num(r['accessible_share'], '.3f'):>8} {num(r['fp_share'], '.3f'):>7} "
+        lines.append(f"{r['step']:>5} {r['seen']:>6} {num(r['held_share'], '.3f'):>8} {num(r['accessible_share'], '.3f'):>8} {num(r['fp_share'], '.3f'):>7} "
                      f"{r['future_steps']:>6} {num(r['fmm']):>8} {num(r['fmm_tokens']):>8} {num(r['churn']):>8}")
     lines.append(f"FMM mean {num(s['fmm_mean'])} (token level {num(s['fmm_tokens_mean'])}) over {s['fmm_events']} "
                  f"events with a full horizon; churn mean {num(s['churn_mean'])}")

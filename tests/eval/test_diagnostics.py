@@ -171,6 +171,7 @@ def test_summary_adds_the_token_level_missed_mass_when_held_tokens_are_recorded(
     (row,) = result.events
     # windows {0,1} and {2} both reachable; token 1 is gone: 0.3 of the 0.6 on the history
     assert row["fmm"] == 0.0 and row["fmm_tokens"] == pytest.approx(0.5)
+    assert row["held_share"] == pytest.approx(2 / 3) and result.summary["held_share_per_layer"] == [pytest.approx(2 / 3)]
     assert result.summary["fmm_tokens_mean"] == pytest.approx(0.5)
 
 
@@ -225,6 +226,7 @@ def test_runner_at_full_budget_misses_nothing_and_does_not_churn(tiny, text_file
     assert all(e["churn"] == 0.0 for e in result.events[1:])
     s = result.summary
     assert s["fmm_mean"] == 0.0 and s["churn_mean"] == 0.0 and s["fmm_events"] == 5
+    assert all(e["held_share"] == 1.0 for e in result.events) and s["held_share_per_layer"] == [1.0, 1.0]
     assert s["lir_runs"] == 0 and s["lir"] is None
 
 
@@ -234,6 +236,7 @@ def test_runner_under_a_small_budget_reports_bounded_figures(tiny, text_file):
     for e in result.events:
         assert 0.0 < e["accessible_share"] < 1.0
         assert e["fp_share"] == e["accessible_share"]  # untiered: everything held is FP
+        assert 0.2 < e["held_share"] < 0.4  # about the budget's 0.3 of the tokens
         if e["fmm"] is not None:
             # softmax mass is positive everywhere, so an unreachable window always costs some
             assert 0.0 < e["fmm"] < 1.0 and len(e["fmm_per_layer"]) == 2
