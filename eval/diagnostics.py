@@ -351,16 +351,11 @@ def reference_attention(model, ids: torch.Tensor, context: int, progress: bool =
     return out
 
 
-@torch.no_grad()
-def record_events(
-    model, ids: torch.Tensor, context: int, policy: str, budget: float, window: int,
-    progress: bool = False, tiers: str | None = None, int2_share: float | None = None, **cache_kwargs,
-) -> list[RoutingEvent]:
-    """Feed ``ids`` through a compressed cache and record the window sets at every eviction step.
-
-    With ``tiers`` the cache routes by the same ``window`` (passed to make_cache as window=).
-    """
-    from vlm_kv.api import cache_kwarg, make_cache
+def build_cache(model, policy: str, budget: float, window: int, tiers: str | None = None,
+                int2_share: float | None = None, **cache_kwargs):
+    """``make_cache`` for a diagnosed run; with ``tiers`` the cache routes by the same ``window``
+    the diagnostics count in (passed as window=). Refuses a policy that gives no compressed cache."""
+    from vlm_kv.api import make_cache
     from vlm_kv.cache import CompressedCache
 
     if int2_share is not None and tiers is None:
@@ -372,28 +367,45 @@ def record_events(
     cache = make_cache(model, policy=policy, budget=budget, **cache_kwargs)
     if not isinstance(cache, CompressedCache):
         raise ValueError(f"policy {policy!r} gives a {type(cache).__name__}, not a compressed cache: nothing to diagnose")
-    num_positions = ids.shape[1]
+    return cache
+
+
+def listen_for_events(cache, context: int, num_positions: int, window: int) -> list[RoutingEvent]:
+    """Register a listener on ``cache`` that appends a RoutingEvent after every eviction step
+    (sequence 0 of the batch); returns the list it fills. ``context`` = the prefill length, so
+    an event's step is the tokens the cache has seen minus it."""
     num_windows = math.ceil(num_positions / window)
-    fed = {"step": 0}
     events: list[RoutingEvent] = []
 
-    def listen(c: CompressedCache) -> None:
+    def listen(c) -> None:
         accessible, selected, held = [], [], []
         for layer in c.layers:
-            positions, tiers = layer.held_positions()
-            a, s = window_sets(positions[0], tiers[0], window, num_windows)
+            positions, tier = layer.held_positions()
+            a, s = window_sets(positions[0], tier[0], window, num_windows)
             accessible.append(a)
             selected.append(s)
             held.append(held_token_mask(positions[0], num_positions))
-        step = fed["step"]
-        events.append(RoutingEvent(step=step, seen=context + step, accessible=torch.stack(accessible).cpu(),
+        seen = int(c.ledger.seen)
+        events.append(RoutingEvent(step=seen - context, seen=seen, accessible=torch.stack(accessible).cpu(),
                                    selected=torch.stack(selected).cpu(), held_tokens=torch.stack(held).cpu()))
 
     cache.eviction_listeners.append(listen)
+    return events
+
+
+@torch.no_grad()
+def record_events(
+    model, ids: torch.Tensor, context: int, policy: str, budget: float, window: int,
+    progress: bool = False, tiers: str | None = None, int2_share: float | None = None, **cache_kwargs,
+) -> list[RoutingEvent]:
+    """Feed ``ids`` through a compressed cache and record the window sets at every eviction step."""
+    from vlm_kv.api import cache_kwarg
+
+    cache = build_cache(model, policy, budget, window, tiers, int2_share, **cache_kwargs)
+    events = listen_for_events(cache, context, ids.shape[1], window)
     arg = {cache_kwarg(model): cache}
     model(input_ids=ids[:, :context], **arg, use_cache=True)
     for s in tqdm(range(ids.shape[1] - context), desc=f"{policy} @ {budget}", disable=not progress, leave=False):
-        fed["step"] = s + 1  # an eviction at the end of this forward sees s + 1 decode tokens
         model(input_ids=ids[:, context + s : context + s + 1], **arg, use_cache=True)
     return events
 
