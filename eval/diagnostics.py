@@ -459,6 +459,57 @@ def check_params(*, context: int, continuation: int, horizon: int, window: int, 
         raise ValueError(f"--context must be >= 2 tokens (a prefill), got {context}")
 
 
+# ----------------------------------------------------------------------------- sweep columns
+
+
+@dataclass
+class DiagnosticColumns:
+    """FMM / churn / LIR columns for the rows of a fidelity sweep (``vlm-kv sweep --diagnostics``).
+
+    The full cache's attention is recorded once per token sequence; each cell's events are
+    recorded on the cell's own compressed pass (the fidelity run), so a cell costs no extra run.
+    """
+
+    window: int = 8
+    horizon: int = 32
+    lir_m: int = DEFAULT_LIR_M
+    _attention: torch.Tensor | None = field(default=None, repr=False)
+    _attention_ids: torch.Tensor | None = field(default=None, repr=False)
+
+    def metrics(self, metric_cls) -> tuple:
+        return (metric_cls("fmm", f"future missed mass, next {self.horizon} steps", higher_is_better=False),
+                metric_cls("churn", "selection churn between eviction steps", higher_is_better=False))
+
+    def settings(self) -> dict:
+        return {"window": self.window, "horizon": self.horizon, "lir_m": self.lir_m}
+
+    @staticmethod
+    def full_cache_row() -> dict:
+        """The full cache reaches everything and never changes what it holds."""
+        return {"fmm": 0.0, "fmm_tokens": 0.0, "churn": 0.0, "lir": None}
+
+    def prepare(self, model, ids: torch.Tensor, context: int, policy: str, budget, cache_kwargs: dict,
+                progress: bool = False):
+        """(cache factory for ``fidelity.measure``, a callable giving the row's columns after it).
+
+        ``ids`` are fidelity's tokens: all but the last are fed, the last is only a target.
+        """
+        fed = ids[:, :-1]
+        if self._attention_ids is not ids:
+            self._attention = reference_attention(model, fed, context, progress)
+            self._attention_ids = ids
+        attention = self._attention
+        cache = build_cache(model, policy, budget, self.window, **cache_kwargs)
+        events = listen_for_events(cache, context, fed.shape[1], self.window)
+
+        def finish() -> dict:
+            s = summarize(events, attention, self.window, self.horizon, self.lir_m).summary
+            return {"fmm": s["fmm_mean"], "fmm_tokens": s["fmm_tokens_mean"], "churn": s["churn_mean"],
+                    "lir": s["lir"], "lir_runs": s["lir_runs"]}
+
+        return (lambda: cache), finish
+
+
 # ----------------------------------------------------------------------------- output
 
 

@@ -305,3 +305,39 @@ def test_cli_forwards_tier_settings_to_the_cache(tiny, text_file, monkeypatch, c
     assert cli.main(_cli_args(text_file, "--tiers", "int2", "--int2-share", "0.5")) == 2
     assert "stop here" in capsys.readouterr().err
     assert seen == dict(policy="snapkv", budget=0.5, evict_every=4, tiers="int2", int2_share=0.5, window=4)
+
+
+# ----------------------------------------------------------------------------- sweep columns
+
+
+def test_fidelity_sweep_with_diagnostics_adds_fmm_and_churn_columns(tiny, text_file, tmp_path):
+    from vlm_kv.eval import sweep as sw
+
+    model, tok = tiny
+    task = sw.FidelityTask(model, tok, str(text_file), 48, 40, model_name="tiny-llama",
+                           cache_kwargs={"evict_every": 4}, diagnostics=True)
+    result = sw.run_sweep(task, ["h2o"], [0.3, 1.0], tmp_path, progress=False, plots=False)
+    assert result.errors == []
+    rows = {r["budget"]: r for r in result.rows}
+    assert rows[1.0]["fmm"] == 0.0 and rows[1.0]["churn"] == 0.0 and rows[1.0]["kl"] == pytest.approx(0.0, abs=1e-4)
+    small = rows[0.3]
+    assert 0.0 < small["fmm"] <= small["fmm_tokens"] < 1.0 and 0.0 <= small["churn"] <= 1.0
+    assert small["lir"] == 0.0 and small["lir_runs"] > 0  # 40 steps: events at 0 ... 8 see the whole horizon
+    assert result.reference["fmm"] == 0.0
+    header = result.csv_path.read_text().splitlines()[0].split(",")
+    assert header[:6] == ["policy", "budget", "kl", "top1", "fmm", "churn"]
+    settings = json.loads(result.json_path.read_text())["settings"]
+    assert settings["diagnostics"] == {"window": 8, "horizon": 32, "lir_m": 2}
+    # the cell's FMM is the one `diagnose` measures on the same tokens with the same cache settings
+    direct = diagnose(model, tok, str(text_file), "h2o", 0.3, context=48, continuation=40, evict_every=4)
+    assert small["fmm"] == pytest.approx(direct.summary["fmm_mean"])
+    assert small["churn"] == pytest.approx(direct.summary["churn_mean"])
+
+
+def test_sweep_diagnostics_only_for_fidelity():
+    from vlm_kv.eval.sweep_cli import build_task
+
+    args = cli.build_parser().parse_args(["sweep", "--task", "retrieval", "--policies", "snapkv", "--budgets", "0.5",
+                                          "--out", "x", "--text", "t.txt", "--diagnostics"])
+    with pytest.raises(ValueError, match="--diagnostics is for --task fidelity"):
+        build_task(args)
