@@ -304,12 +304,6 @@ def summarize(
     return DiagnosticsResult(params=dict(params or {}), events=rows, summary=summary)
 
 
-def _kv_heads(model) -> int:
-    from vlm_kv.models.adapters import get_adapter
-
-    return get_adapter(model).num_kv_heads
-
-
 @torch.no_grad()
 def reference_attention(model, ids: torch.Tensor, context: int, progress: bool = False) -> torch.Tensor:
     """Full-cache attention of each decode query over every position, per KV head.
@@ -399,15 +393,21 @@ def record_events(
     progress: bool = False, tiers: str | None = None, int2_share: float | None = None, **cache_kwargs,
 ) -> list[RoutingEvent]:
     """Feed ``ids`` through a compressed cache and record the window sets at every eviction step."""
-    from vlm_kv.api import cache_kwarg
-
     cache = build_cache(model, policy, budget, window, tiers, int2_share, **cache_kwargs)
     events = listen_for_events(cache, context, ids.shape[1], window)
+    feed(model, cache, ids, context, progress, f"{policy} @ {budget}")
+    return events
+
+
+@torch.no_grad()
+def feed(model, cache, ids: torch.Tensor, context: int, progress: bool = False, label: str = "") -> None:
+    """Prefill ``ids[:, :context]`` into ``cache``, then feed the rest one token at a time."""
+    from vlm_kv.api import cache_kwarg
+
     arg = {cache_kwarg(model): cache}
     model(input_ids=ids[:, :context], **arg, use_cache=True)
-    for s in tqdm(range(ids.shape[1] - context), desc=f"{policy} @ {budget}", disable=not progress, leave=False):
+    for s in tqdm(range(ids.shape[1] - context), desc=label, disable=not progress, leave=False):
         model(input_ids=ids[:, context + s : context + s + 1], **arg, use_cache=True)
-    return events
 
 
 def diagnose(
@@ -439,9 +439,11 @@ def diagnose(
     ids = text_tokens(tokenizer, text_path, offset, context + continuation)
     device = next(model.parameters()).device
     ids = ids.to(device)
-    attention = reference_attention(model, ids, context, progress)
-    events = record_events(model, ids, context, policy, budget, window, progress, tiers=tiers,
-                           int2_share=int2_share, **cache_kwargs)
+    # build the compressed cache first: a setting make_cache refuses fails before the long reference pass
+    cache = build_cache(model, policy, budget, window, tiers, int2_share, **cache_kwargs)
+    events = listen_for_events(cache, context, ids.shape[1], window)
+    attention = reference_attention(model, ids, context, progress)  # restores the vlm_kv attention after
+    feed(model, cache, ids, context, progress, f"{policy} @ {budget}")
     params = dict(policy=policy, budget=budget, text=str(text_path), offset=offset, context=context,
                   continuation=continuation, horizon=horizon, window=window, lir_m=lir_m, tiers=tiers,
                   int2_share=int2_share,

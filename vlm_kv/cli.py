@@ -173,6 +173,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                  window=args.window, lir_m=args.lir_m)
     kwargs = {}
     if args.evict_every is not None:
+        if args.evict_every < 1:
+            raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
         kwargs["evict_every"] = args.evict_every
     if args.int2_share is not None and args.tiers is None:
         raise ValueError("--int2-share needs --tiers int2")

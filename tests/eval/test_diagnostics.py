@@ -210,13 +210,14 @@ def _diagnose(tiny, text_file, policy, budget):
 def test_reference_attention_rows_are_distributions_over_the_past(tiny):
     model, _ = tiny
     ids = torch.randint(20, 200, (1, 20), generator=torch.Generator().manual_seed(0))
+    before = model.config._attn_implementation
     attention = reference_attention(model, ids, 16)
     assert attention.shape == (4, 2, 2, 20)  # steps, layers, kv heads, positions
     sums = attention.float().sum(-1)
     assert torch.allclose(sums, torch.ones_like(sums), atol=2e-3)
     for s in range(4):  # nothing past the query's own position
         assert attention[s, ..., 16 + s + 1 :].abs().sum() == 0
-    assert model.config._attn_implementation == "sdpa"  # restored afterwards
+    assert model.config._attn_implementation == before  # restored afterwards (eager only inside)
 
 
 def test_runner_at_full_budget_misses_nothing_and_does_not_churn(tiny, text_file):
@@ -283,6 +284,8 @@ def test_cli_checks_arguments_before_loading(text_file, monkeypatch, capsys):
     assert "--int2-share needs --tiers" in capsys.readouterr().err
     assert cli.main(_cli_args(text_file, "--horizon", "0")) == 2
     assert "--horizon must be >= 1" in capsys.readouterr().err
+    assert cli.main(_cli_args(text_file, "--evict-every", "0")) == 2
+    assert "--evict-every must be >= 1" in capsys.readouterr().err
 
     def untiered_make_cache(model, policy="snapkv", budget=0.25, *, evict_every=16):
         raise AssertionError("not called")
@@ -290,6 +293,18 @@ def test_cli_checks_arguments_before_loading(text_file, monkeypatch, capsys):
     monkeypatch.setattr("vlm_kv.api.make_cache", untiered_make_cache)
     assert cli.main(_cli_args(text_file, "--tiers", "int2")) == 2
     assert "no tiered caches" in capsys.readouterr().err
+
+
+def test_a_setting_make_cache_refuses_fails_before_the_reference_pass(tiny, text_file, monkeypatch):
+    import vlm_kv.eval.diagnostics as diag
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the full-cache pass ran before the cache settings were checked")
+
+    monkeypatch.setattr(diag, "reference_attention", no_reference)
+    model, tok = tiny
+    with pytest.raises(ValueError, match="retention gates"):  # dbtrimkv has no gates for the tiny model
+        diagnose(model, tok, str(text_file), "dbtrimkv", 0.5, context=48, continuation=8)
 
 
 def test_cli_forwards_tier_settings_to_the_cache(tiny, text_file, monkeypatch, capsys):
