@@ -92,7 +92,7 @@ def build_task(args):
 
     progress = not args.no_progress
     kw = _cache_kwargs(args)
-    if args.diagnostics and args.task != "fidelity":
+    if getattr(args, "diagnostics", False) and args.task != "fidelity":
         raise ValueError(f"--diagnostics is for --task fidelity, not {args.task}")
     if args.task in ("fidelity", "retrieval"):
         _need(args, "text")
@@ -104,7 +104,7 @@ def build_task(args):
             continuation = args.continuation if args.continuation is not None else 128
             return sw.FidelityTask(model, tok, args.text, context, continuation, offset=args.offset,
                                    model_name=args.model, cache_kwargs=kw, progress=False,
-                                   diagnostics=args.diagnostics)
+                                   diagnostics=getattr(args, "diagnostics", False))
         return sw.RetrievalTask(model, tok, args.text, context, depths=args.depths, trials=args.trials,
                                 offset=args.offset, seed=args.seed, max_new_tokens=args.max_new_tokens or 16,
                                 model_name=args.model, cache_kwargs=kw, progress=False)
