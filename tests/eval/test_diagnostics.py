@@ -356,3 +356,11 @@ def test_sweep_diagnostics_only_for_fidelity():
                                           "--out", "x", "--text", "t.txt", "--diagnostics"])
     with pytest.raises(ValueError, match="--diagnostics is for --task fidelity"):
         build_task(args)
+
+
+def test_runner_on_a_bfloat16_model(text_file):
+    model, tok = tiny_model("llama", dtype=torch.bfloat16, num_layers=1), tiny_tokenizer("llama")
+    result = diagnose(model, tok, str(text_file), "snapkv", 0.5, context=40, continuation=8, horizon=4,
+                      window=4, evict_every=4)
+    assert [e["step"] for e in result.events] == [0, 4, 8]
+    assert 0.0 < result.summary["fmm_mean"] < 1.0 and result.summary["fmm_events"] == 2
