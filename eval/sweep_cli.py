@@ -101,6 +101,8 @@ def build_task(args):
 
     progress = not args.no_progress
     kw = _cache_kwargs(args)
+    if getattr(args, "diagnostics", False) and args.task != "fidelity":
+        raise ValueError(f"--diagnostics is for --task fidelity, not {args.task}")
     if args.task in ("fidelity", "retrieval"):
         _need(args, "text")
         if not os.path.isfile(args.text):
@@ -110,7 +112,8 @@ def build_task(args):
         if args.task == "fidelity":
             continuation = args.continuation if args.continuation is not None else 128
             return sw.FidelityTask(model, tok, args.text, context, continuation, offset=args.offset,
-                                   model_name=_text_model_name(args), cache_kwargs=kw, progress=False)
+                                   model_name=_text_model_name(args), cache_kwargs=kw, progress=False,
+                                   diagnostics=getattr(args, "diagnostics", False))
         return sw.RetrievalTask(model, tok, args.text, context, depths=args.depths, trials=args.trials,
                                 offset=args.offset, seed=args.seed, max_new_tokens=args.max_new_tokens or 16,
                                 model_name=_text_model_name(args), cache_kwargs=kw, progress=False)
@@ -203,6 +206,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--context", type=int, default=None,
                    help="tokens of text prefilled (default fidelity 2048, retrieval 1024)")
     g.add_argument("--continuation", type=int, default=None, help="fidelity: tokens fed one at a time (default 128)")
+    g.add_argument("--diagnostics", action="store_true",
+                   help="fidelity: add future missed mass, churn and LIR columns (docs/diagnostics.md)")
     g.add_argument("--depths", type=_floats, default=[0.1, 0.5, 0.9], help="retrieval: fact depths in [0, 1]")
     g.add_argument("--trials", type=int, default=3, help="retrieval: trials per depth")
     g.add_argument("--seed", type=int, default=0, help="retrieval: seed of the planted facts")

@@ -45,7 +45,10 @@ def _free_memory() -> None:
 class FidelityTask:
     """KL(full || compressed), top-1 agreement and NLL on real text (``vlm_kv.fidelity``).
 
-    The full-cache log-probs are computed once per process and shared by every cell.
+    The full-cache log-probs are computed once per process and shared by every cell. With
+    ``diagnostics`` each row also gets the future missed mass, churn and LIR of the cell's
+    eviction decisions (``vlm_kv.eval.diagnostics``, default window / horizon / m; the full
+    cache's attention is recorded once).
     """
 
     name = "fidelity"
@@ -55,7 +58,8 @@ class FidelityTask:
     )
 
     def __init__(self, model, tokenizer, text_path: str, context: int, continuation: int, *, offset: int = 0,
-                 model_name: str | None = None, cache_kwargs: dict | None = None, progress: bool = False):
+                 model_name: str | None = None, cache_kwargs: dict | None = None, progress: bool = False,
+                 diagnostics: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.text_path, self.context, self.continuation, self.offset = str(text_path), context, continuation, offset
         self.model_name = model_name
@@ -63,10 +67,19 @@ class FidelityTask:
         self.progress = progress
         self._ids = None
         self._ref = None
+        self.diagnostics = None
+        if diagnostics:
+            from vlm_kv.eval.diagnostics import DiagnosticColumns
+
+            self.diagnostics = DiagnosticColumns()
+            self.metrics = FidelityTask.metrics + self.diagnostics.metrics(Metric)
 
     def settings(self) -> dict:
-        return {"model": self.model_name, "text": os.path.abspath(self.text_path), "offset": self.offset,
-                "context": self.context, "continuation": self.continuation, "cache_kwargs": self.cache_kwargs}
+        out = {"model": self.model_name, "text": os.path.abspath(self.text_path), "offset": self.offset,
+               "context": self.context, "continuation": self.continuation, "cache_kwargs": self.cache_kwargs}
+        if self.diagnostics is not None:
+            out["diagnostics"] = self.diagnostics.settings()
+        return out
 
     def _reference(self):
         if self._ref is None:
@@ -81,16 +94,26 @@ class FidelityTask:
         logps, nbytes = self._reference()
         targets = self._ids[0, self.context + 1:]
         nll = float(-logps.gather(1, targets[:, None]).mean())
-        return {"kl": 0.0, "top1": 1.0, "nll": nll, "full_nll": nll, "kv_bytes": int(nbytes),
-                "max_kv_bytes": int(nbytes), "context": self.context, "continuation": int(targets.numel())}
+        row = {"kl": 0.0, "top1": 1.0, "nll": nll, "full_nll": nll, "kv_bytes": int(nbytes),
+               "max_kv_bytes": int(nbytes), "context": self.context, "continuation": int(targets.numel())}
+        if self.diagnostics is not None:
+            row.update(self.diagnostics.full_cache_row())
+        return row
 
     def run(self, policy: str, budget) -> dict:
         from vlm_kv.fidelity import measure
 
         ref = self._reference()
-        r = measure(self.model, self._ids, self.context, policy, budget, ref, self.progress, **self.cache_kwargs)
+        factory, finish = None, None
+        if self.diagnostics is not None:
+            factory, finish = self.diagnostics.prepare(self.model, self._ids, self.context, policy, budget,
+                                                       self.cache_kwargs, self.progress)
+        r = measure(self.model, self._ids, self.context, policy, budget, ref, self.progress,
+                    cache_factory=factory, **self.cache_kwargs)
         row = r.as_dict()
         row.pop("policy"), row.pop("budget")
+        if finish is not None:
+            row.update(finish())
         return row
 
 

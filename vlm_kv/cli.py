@@ -165,9 +165,65 @@ def _add_text_args(p: argparse.ArgumentParser, context: int) -> None:
     p.add_argument("--context", type=int, default=context, help="tokens prefilled with the policy")
 
 
+# ---- diagnose: FMM / churn / LIR of eviction and tiering decisions (eval/diagnostics.py)
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from vlm_kv.budget import Budget
+    from vlm_kv.eval.diagnostics import check_params, diagnose, format_table, plot
+
+    budget = Budget.parse(args.budget).as_number()
+    policy = _check_policy(args.policy, None)
+    check_params(context=args.context, continuation=args.continuation, horizon=args.horizon,
+                 window=args.window, lir_m=args.lir_m)
+    kwargs = {}
+    if args.evict_every is not None:
+        if args.evict_every < 1:
+            raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
+        kwargs["evict_every"] = args.evict_every
+    if args.int2_share is not None and args.tiers is None:
+        raise ValueError("--int2-share needs --tiers int2")
+    if args.tiers is not None:
+        from vlm_kv.tier_router import TierConfig
+
+        TierConfig(int2_share=0.7 if args.int2_share is None else args.int2_share, window=args.window)
+        kwargs.update(tiers=args.tiers, int2_share=args.int2_share)  # diagnose passes window= with them
+    _check_text(args.text)
+    _check_model(args.model)
+    model, tok = _load(args.model, args.dtype)
+    result = diagnose(model, tok, args.text, policy, budget, offset=args.offset, context=args.context,
+                      continuation=args.continuation, horizon=args.horizon, window=args.window,
+                      lir_m=args.lir_m, progress=True, **kwargs)
+    result.params.update(model=args.model, dtype=args.dtype)
+    print(json.dumps(result.as_dict()) if args.json else format_table(result))
+    if args.plot:
+        plot(result, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def _add_diagnose_parser(sub) -> None:
+    p = sub.add_parser("diagnose", help="future missed mass, selection churn and LIR of a policy vs the full cache")
+    _add_text_args(p, 2048)
+    p.add_argument("--continuation", type=int, default=128, help="tokens fed one at a time after the prefill")
+    p.add_argument("--policy", required=True)
+    p.add_argument("--budget", required=True, help="fraction of the full cache in (0, 1], or an int: tokens per KV head")
+    p.add_argument("--horizon", type=int, default=32, help="decode steps after each event that FMM and LIR look at")
+    p.add_argument("--window", type=int, default=8, help="tokens per window (window id = position // window)")
+    p.add_argument("--lir-m", type=int, default=2, help="consecutive events out of full precision before a window counts as latent")
+    p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
+    p.add_argument("--tiers", choices=("int2",), default=None, help="recoverable INT2 tier (QEvict); passes window= too")
+    p.add_argument("--int2-share", type=float, default=None, help="share of the evictable budget spent on INT2 (with --tiers)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, help="write a PNG: FMM and churn per event vs decode step")
+    p.set_defaults(func=cmd_diagnose)
+# ---- end diagnose
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm-kv", description="Compressed KV caches for VLMs and LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_diagnose_parser(sub)
 
     p = sub.add_parser("demo", help="SmolLM2 answers two turns of questions about a long text, full vs compressed cache")
     p.add_argument("--policy", default="dbtrimkv", help="default: the learned gates shipped for SmolLM2")
