@@ -247,3 +247,16 @@ def test_bad_tier_settings_are_refused_clearly(kwargs, match):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
         vlm_kv.make_cache(model, budget=0.2, **kwargs)
+
+
+def test_chunked_prefill_routes_after_every_chunk_within_budget():
+    model = tiny_model("llama")
+    tokens = _tokens(96 + 8, vocab=model.config.vocab_size)
+    cache = vlm_kv.make_cache(model, policy="qevict", budget=0.25, prefill_chunk=32)
+    steps = record_evictions(cache)
+    _feed(model, cache, tokens, 96)
+    assert cache.chunked_prefills == 1 and len(steps) == 3 + 1  # three chunks, then one decode event
+    assert all(held <= allowed for held, allowed in steps)
+    full = _feed(model, DynamicCache(config=model.config), tokens, 96)
+    whole = vlm_kv.make_cache(model, policy="qevict", budget=1.0, prefill_chunk=32)
+    torch.testing.assert_close(_feed(model, whole, tokens, 96)[:, -8:], full[:, -8:], rtol=1e-5, atol=1e-5)
