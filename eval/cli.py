@@ -138,6 +138,7 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         config_extra={"model": args.model, "data": problems.source, "split": args.split},
         min_pixels=args.min_pixels,
+        cache_kwargs={"strategy": args.strategy} if args.strategy else None,
         max_pixels=args.max_pixels,
     )
     if summary is None:  # a non-main process of a sharded run: the main one merged and reports
@@ -199,6 +200,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="local folder of a transformers VLM (and its processor)")
     p.add_argument("--policy", required=True, help="cache policy for vlm_kv.make_cache ('full' = no compression)")
+    p.add_argument("--strategy", default=None, help="strategy JSON for policy polykv")
     p.add_argument("--budget", type=parse_budget, required=True,
                    help="fraction of the full cache (0.25) or tokens per KV head (256); 1 = whole cache")
     p.add_argument("--limit", type=int, default=None, help="first N problems only")
