@@ -98,8 +98,9 @@ def test_decode_phase_and_refusals(setup, tmp_path):
     progress = tmp_path / "p.progress.json"
     calibrate(model, tok, [text], _config(candidates=["h2o"]), progress_path=str(progress), show_progress=False)
     from vlm_kv.strategy import StrategyError
-    with pytest.raises(StrategyError, match="another calibration"):
-        calibrate(model, tok, [text], _config(candidates=["tova"]), progress_path=str(progress), show_progress=False)
+    with pytest.raises(StrategyError, match="another calibration"):  # other windows: other measurements
+        calibrate(model, tok, [text], _config(candidates=["h2o"], context=40), progress_path=str(progress),
+                  show_progress=False)
 
 
 def test_cli_checks_before_loading(tmp_path, capsys):
@@ -111,3 +112,42 @@ def test_cli_checks_before_loading(tmp_path, capsys):
     assert "unknown policy 'magic'" in capsys.readouterr().err
     assert main(["calibrate", "--data", "x.txt", "--budget", "1.5", "--out", "s.json"]) == 2
     assert "--budget must be a fraction" in capsys.readouterr().err
+
+
+def test_leave_one_out_against_a_compressed_baseline(setup, tmp_path):
+    model, tok, text, _ = setup
+    progress = str(tmp_path / "loo.progress.json")
+    cfg = dict(baseline="tova", sensitivity=[0.5, 2.0], budget_pattern="baseline")
+    s = calibrate(model, tok, [text], _config(**cfg), progress_path=progress, show_progress=False)
+    saved = json.loads(open(progress).read())["results"]
+    # the baseline run once; per layer the two other candidates, and two budget multiples
+    assert len(saved) == 1 + 3 * 2 + 3 * 2 and "baseline|tova" in saved
+    base_kl = saved["baseline|tova"]["kl"]
+    for layer, entry in enumerate(s.layers["prefill"]):
+        sig = entry.signals
+        assert sig["prefill"]["kl"]["tova"] == base_kl  # a layer keeping the baseline is the baseline run
+        assert entry.pattern == min(sig["prefill"]["kl"], key=sig["prefill"]["kl"].get)  # no margin
+        curve = sig["kl_by_budget_multiple"]
+        assert set(curve) == {"0.5", "1", "2"}
+        assert curve["1"] == base_kl and sig["sensitivity"] == pytest.approx(max(0.0, (curve["0.5"] - curve["2"]) / 1.5))
+        assert 0.0 <= sig["attention_entropy"] <= 1.0
+    assert s.calibration["baseline_kl"] == base_kl and -1 <= s.calibration["entropy_vs_sensitivity_spearman"] <= 1
+    # other choices from the same measurements, nothing measured: a margin no candidate clears keeps
+    # the baseline everywhere; a candidate subset; a missing measurement is refused
+    cal = Calibrator(model, tok, [text], _config(margin=0.99, **cfg), progress_path=progress, show_progress=False,
+                     only_measured=True)
+    cal.measure = lambda *a: pytest.fail("measured with only_measured")
+    kept = cal.run()
+    assert {e.pattern for e in kept.layers["prefill"]} == {"tova"}
+    assert [e.budget for e in kept.layers["prefill"]] == pytest.approx([e.budget for e in s.layers["prefill"]])
+    sub = calibrate(model, tok, [text], _config(candidates=["h2o", "tova"], **cfg), progress_path=progress,
+                    show_progress=False, only_measured=True)
+    assert all(e.pattern in {"h2o", "tova"} for e in sub.layers["prefill"])
+    from vlm_kv.strategy import StrategyError
+    with pytest.raises(StrategyError, match="is not in"):
+        calibrate(model, tok, [text], _config(candidates=["snapkv", "tova"], **cfg), progress_path=progress,
+                  show_progress=False, only_measured=True)
+    with pytest.raises(ValueError, match="must be one of the candidates"):
+        _config(baseline="snapkv").check()
+    with pytest.raises(ValueError, match="give --baseline"):
+        _config(margin=0.1).check()

@@ -306,7 +306,8 @@ class Calibrator:
 
     def __init__(self, model, tokenizer, data: list[str], config: CalibrationConfig,
                  progress_path: str | None = None, show_progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, only_measured: bool = False) -> None:
+        self.only_measured = only_measured
         self.model = model
         self.config = config.check()
         self.fingerprint = get_adapter(model).fingerprint()
@@ -384,6 +385,9 @@ class Calibrator:
 
     def _get(self, key: str, layer: int, patterns: dict[str, str], multiple: float, bar) -> dict[str, float]:
         if key not in self.results:
+            if self.only_measured:
+                raise StrategyError(f"measurement {key!r} is not in {self.progress_path}; run without "
+                                    "--only-measured to measure it")
             self.results[key] = self.measure(layer, patterns, multiple)
             self._save_progress()
         bar.update(1)
@@ -498,9 +502,11 @@ class Calibrator:
 
 
 def calibrate(model, tokenizer, data: list[str], config: CalibrationConfig, progress_path: str | None = None,
-              show_progress: bool = True) -> Strategy:
-    """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring)."""
-    return Calibrator(model, tokenizer, data, config, progress_path, show_progress).run()
+              show_progress: bool = True, only_measured: bool = False) -> Strategy:
+    """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring);
+    ``only_measured``: choose from the measurements in ``progress_path`` and measure nothing."""
+    return Calibrator(model, tokenizer, data, config, progress_path, show_progress,
+                      only_measured=only_measured).run()
 
 
 def plot_strategy(strategy: Strategy, path: str) -> None:

@@ -41,8 +41,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.out.endswith(".json"):
         raise ValueError(f"--out must name a .json file, got {args.out}")
     model, tok = _load(args.model)
-    progress = args.out[: -len(".json")] + ".progress.json"
-    strategy = calibrate(model, tok, data, config, progress_path=progress, show_progress=True)
+    progress = args.progress or args.out[: -len(".json")] + ".progress.json"
+    if args.only_measured and not os.path.isfile(progress):
+        raise FileNotFoundError(f"--only-measured needs the progress file {progress}")
+    strategy = calibrate(model, tok, data, config, progress_path=progress, show_progress=True,
+                         only_measured=args.only_measured)
     strategy.save(args.out)
     print(f"strategy: {args.out} (measurements: {progress})")
     if not args.no_plot:
@@ -80,4 +83,8 @@ def register(sub) -> None:
     p.add_argument("--evict-every", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--progress", default=None, help="measurements file (default: <out>.progress.json)")
+    p.add_argument("--only-measured", action="store_true",
+                   help="choose from the measurements already in the progress file (other --margin, --floor-ratio, "
+                        "--candidates subset, ...) and measure nothing; fails if one is missing")
     p.set_defaults(func=cmd_calibrate)
