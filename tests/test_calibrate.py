@@ -91,8 +91,8 @@ def test_decode_phase_and_refusals(setup, tmp_path):
     assert all(e.pattern in {"h2o", "streaming_llm"} for e in s.layers["decode"])
     decode_kl = s.layers["prefill"][1].signals["decode"]["kl"]
     assert s.layers["decode"][1].pattern == min(decode_kl, key=decode_kl.get)
-    with pytest.raises(ValueError, match="needs retention gates"):
-        _config(candidates=["dbtrimkv"]).check()
+    with pytest.raises(ValueError, match="one gate kind"):
+        _config(candidates=["dbtrimkv", "trimkv"]).check()
     with pytest.raises(ValueError, match="--phases"):
         _config(phases=["decode"]).check()
     progress = tmp_path / "p.progress.json"
@@ -151,3 +151,24 @@ def test_leave_one_out_against_a_compressed_baseline(setup, tmp_path):
         _config(baseline="snapkv").check()
     with pytest.raises(ValueError, match="give --baseline"):
         _config(margin=0.1).check()
+
+
+def test_gated_candidates_probe_with_the_gates(setup):
+    from vlm_kv.testing import tiny_gates
+
+    model, tok, text, _ = setup
+    cfg = _config(candidates=["dbtrimkv", "tova"], baseline="tova")
+    with pytest.raises(ValueError, match="needs retention gates"):  # no gates shipped for the tiny model
+        Calibrator(model, tok, [text], cfg, show_progress=False)
+    gates = tiny_gates(model, kind="dbtrimkv")
+    s = calibrate(model, tok, [text], _config(candidates=["dbtrimkv", "tova"], baseline="tova"), show_progress=False,
+                  gates=gates)
+    kl = s.layers["prefill"][1].signals["prefill"]["kl"]
+    assert set(kl) == {"dbtrimkv", "tova"} and kl["dbtrimkv"] != kl["tova"]
+    # the strategy runs with the same gates
+    import vlm_kv
+    cache = vlm_kv.make_cache(model, policy="polykv", budget=0.2, strategy=s, gates=gates)
+    ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert cache.kv_bytes()["total"] <= cache.budget_bytes()

@@ -93,9 +93,9 @@ class CalibrationConfig:
         for c in self.candidates:
             if c in ("full", "polykv"):
                 raise ValueError(f"candidate {c!r} is not an eviction pattern")
-            if policy_spec(c).needs_gates:
-                raise ValueError(f"candidate {c!r} needs retention gates; calibration with gated candidates is "
-                                 "not supported yet (a strategy may still name them: make_cache passes the gates)")
+        kinds = {policy_spec(c).gate_kind for c in self.candidates} - {None}
+        if len(kinds) > 1:
+            raise ValueError(f"gated candidates need one gate kind per calibration, got {sorted(kinds)}")
         if len(set(self.candidates)) != len(self.candidates):
             raise ValueError(f"duplicate candidates: {self.candidates}")
         bad = [p for p in self.phases if p not in PHASES]
@@ -211,11 +211,16 @@ class _FixedLayer(Allocation):
         return self.owner.inner[self.owner.phase][self.layer_idx].keep_layer(scores, cap)
 
 
-def probe_cache(model, strategy: Strategy, evict_every: int, seed: int) -> CompressedCache:
-    """A cache evicting with ``strategy``'s patterns at its exact per-layer fractions."""
+def probe_cache(model, strategy: Strategy, evict_every: int, seed: int, gates=None) -> CompressedCache:
+    """A cache evicting with ``strategy``'s patterns at its exact per-layer fractions; ``gates``
+    (a RetentionGates module) are attached only when one of its patterns is gated."""
     adapter = attach(model)
+    gated = any(policy_spec(p).needs_gates for p in strategy.patterns())
+    if gated and gates is None:
+        raise ValueError(f"the probe has gated patterns ({sorted(strategy.patterns())}) but no gates were given")
     return CompressedCache(adapter, PolyKV(strategy=strategy), LayerFractions(strategy), Budget(fraction=1.0),
-                           evict_every=evict_every, policy_name="polykv-probe", model_id=id(model), seed=seed)
+                           evict_every=evict_every, policy_name="polykv-probe", model_id=id(model), seed=seed,
+                           gates=gates if gated else None)
 
 
 class _EntropyRecorder(Scorer):
@@ -306,7 +311,10 @@ class Calibrator:
 
     def __init__(self, model, tokenizer, data: list[str], config: CalibrationConfig,
                  progress_path: str | None = None, show_progress: bool = True,
-                 log: Callable[[str], None] | None = None, only_measured: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, only_measured: bool = False,
+                 gates=None) -> None:
+        """``gates``: a folder or RetentionGates module for gated candidates (default: the gates
+        shipped for the model)."""
         self.only_measured = only_measured
         self.model = model
         self.config = config.check()
@@ -321,6 +329,14 @@ class Calibrator:
         measured = {k: v for k, v in asdict(self.config).items() if k not in CHOICE_SETTINGS}
         self.settings = {"model": self.fingerprint, "data": [os.path.basename(p) for p in self.data],
                          "config": measured}
+        self.gates = None
+        kinds = {policy_spec(c).gate_kind for c in self.config.candidates} - {None}
+        if kinds:
+            from vlm_kv.api import _resolve_gates
+
+            kind = kinds.pop()
+            self.gates = _resolve_gates(model, gates, kind, "polykv")
+            self.settings["gates"] = gates if isinstance(gates, str) else f"{kind} ({'given' if gates else 'shipped'})"
         self.results: dict[str, dict[str, float]] = {}
         self.seconds = 0.0
         self._entropy: list[float] | None = None
@@ -376,7 +392,7 @@ class Calibrator:
                                   cfg.baseline, cfg.budget if cfg.baseline else 1.0)
         kls, coss = [], []
         for w in self.windows:
-            cache = probe_cache(self.model, strategy, cfg.evict_every, cfg.seed)
+            cache = probe_cache(self.model, strategy, cfg.evict_every, cfg.seed, self.gates)
             logps, hidden = _feed(self.model, cache, w.ids, cfg.context)
             kls.append(float(F.kl_div(logps, w.ref_logps, log_target=True, reduction="none").sum(-1).mean()))
             coss.append(float(F.cosine_similarity(hidden, w.ref_hidden, dim=-1).mean()))
@@ -502,11 +518,12 @@ class Calibrator:
 
 
 def calibrate(model, tokenizer, data: list[str], config: CalibrationConfig, progress_path: str | None = None,
-              show_progress: bool = True, only_measured: bool = False) -> Strategy:
+              show_progress: bool = True, only_measured: bool = False, gates=None) -> Strategy:
     """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring);
-    ``only_measured``: choose from the measurements in ``progress_path`` and measure nothing."""
+    ``only_measured``: choose from the measurements in ``progress_path`` and measure nothing;
+    ``gates``: for gated candidates (trimkv, dbtrimkv), a folder or module (default: shipped)."""
     return Calibrator(model, tokenizer, data, config, progress_path, show_progress,
-                      only_measured=only_measured).run()
+                      only_measured=only_measured, gates=gates).run()
 
 
 def plot_strategy(strategy: Strategy, path: str) -> None:

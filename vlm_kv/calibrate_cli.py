@@ -45,7 +45,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.only_measured and not os.path.isfile(progress):
         raise FileNotFoundError(f"--only-measured needs the progress file {progress}")
     strategy = calibrate(model, tok, data, config, progress_path=progress, show_progress=True,
-                         only_measured=args.only_measured)
+                         only_measured=args.only_measured, gates=args.gates)
     strategy.save(args.out)
     print(f"strategy: {args.out} (measurements: {progress})")
     if not args.no_plot:
@@ -83,6 +83,7 @@ def register(sub) -> None:
     p.add_argument("--evict-every", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--gates", default=None, help="gate folder for gated candidates (default: the gates shipped for the model)")
     p.add_argument("--progress", default=None, help="measurements file (default: <out>.progress.json)")
     p.add_argument("--only-measured", action="store_true",
                    help="choose from the measurements already in the progress file (other --margin, --floor-ratio, "
