@@ -172,3 +172,24 @@ def test_gated_candidates_probe_with_the_gates(setup):
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     assert cache.kv_bytes()["total"] <= cache.budget_bytes()
+
+
+def test_budget_shares_from_the_gates(setup, tmp_path):
+    from vlm_kv.testing import tiny_gates
+
+    model, tok, text, _ = setup
+    gates = tiny_gates(model, kind="dbtrimkv")
+    progress = str(tmp_path / "g.progress.json")
+    cfg = _config(candidates=["tova"], baseline="tova", budget_pattern="baseline", budget_source="gates", floor_ratio=0.0)
+    s = calibrate(model, tok, [text], cfg, progress_path=progress, show_progress=False, gates=gates)
+    entries = json.loads(open(progress).read())["results"]["gate_entries|dbtrimkv"]["entries"]
+    # the entries a DBTrimKV cache keeps per layer at the end of the window, at the global budget
+    import vlm_kv
+    from vlm_kv.calibrate import _feed, calibration_windows
+    (window,) = calibration_windows(tok, [text], cfg)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, gates=gates, evict_every=4, seed=3)
+    _feed(model, cache, window.ids, 48)
+    assert entries == [layer.store.num_entries() for layer in cache.layers]
+    budgets = [e.budget for e in s.layers["prefill"]]
+    assert budgets == pytest.approx([0.2 * n / sum(entries) for n in entries], rel=1e-6)
+    assert s.layers["prefill"][0].signals["gate_entries"] == entries[0]

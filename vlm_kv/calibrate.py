@@ -64,7 +64,8 @@ FULL_LAYER_PATTERN = "streaming_llm"
 
 #: settings that choose from the measurements, or which ones to take, without changing any
 #: measurement (every measurement is keyed by layer, pattern(s) and budget multiple)
-CHOICE_SETTINGS = ("margin", "floor_ratio", "candidates", "sensitivity", "phases", "budget_pattern")
+CHOICE_SETTINGS = ("margin", "floor_ratio", "candidates", "sensitivity", "phases", "budget_pattern", "budget_source")
+BUDGET_SOURCES = ("probes", "gates")
 
 
 @dataclass
@@ -83,6 +84,7 @@ class CalibrationConfig:
     margin: float = 0.0                         # relative KL gain needed to leave the baseline pattern
     entropy_queries: int = 64                   # prefill queries per window the entropy signal averages
     budget_pattern: str = "chosen"              # pattern probed for sensitivity: "chosen" or "baseline"
+    budget_source: str = "probes"               # shares from the probes' sensitivity, or from the gates' top-k
 
     def check(self) -> "CalibrationConfig":
         if not 0.0 < self.budget < 1.0:
@@ -113,6 +115,8 @@ class CalibrationConfig:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if self.margin and self.baseline is None:
             raise ValueError("a margin is measured against the baseline pattern: give --baseline")
+        if self.budget_source not in BUDGET_SOURCES:
+            raise ValueError(f"budget_source must be one of {BUDGET_SOURCES}, got {self.budget_source!r}")
         if self.budget_pattern not in ("chosen", "baseline"):
             raise ValueError(f"budget_pattern must be 'chosen' or 'baseline', got {self.budget_pattern!r}")
         if self.budget_pattern == "baseline" and self.baseline is None:
@@ -330,12 +334,16 @@ class Calibrator:
         self.settings = {"model": self.fingerprint, "data": [os.path.basename(p) for p in self.data],
                          "config": measured}
         self.gates = None
+        self._gates_arg = gates
+        self._share_gates = gates if gates is not None and not isinstance(gates, str) else None
         kinds = {policy_spec(c).gate_kind for c in self.config.candidates} - {None}
         if kinds:
             from vlm_kv.api import _resolve_gates
 
             kind = kinds.pop()
             self.gates = _resolve_gates(model, gates, kind, "polykv")
+            if kind == "dbtrimkv":
+                self._share_gates = self.gates
             self.settings["gates"] = gates if isinstance(gates, str) else f"{kind} ({'given' if gates else 'shipped'})"
         self.results: dict[str, dict[str, float]] = {}
         self.seconds = 0.0
@@ -377,6 +385,30 @@ class Calibrator:
                           for w in self.windows]
             self._entropy = [sum(col) / len(col) for col in zip(*per_window)]
         return self._entropy
+
+    def gate_entries(self) -> list[float]:
+        """Entries per layer that the model's DBTrimKV retention gates keep at the global budget
+        (one global top-k over all layers), at the end of each window, averaged over windows.
+        The gates learned which layers need their entries: their split is a budget profile."""
+        key = "gate_entries|dbtrimkv"
+        if key not in self.results:
+            if self.only_measured:
+                raise StrategyError(f"measurement {key!r} is not in {self.progress_path}; run without --only-measured")
+            from vlm_kv.api import _resolve_gates, make_cache
+
+            if self._share_gates is None:
+                self._share_gates = _resolve_gates(self.model, self._gates_arg, "dbtrimkv", "polykv")
+            start = time.perf_counter()
+            rows = []
+            for w in self.windows:
+                cache = make_cache(self.model, policy="dbtrimkv", budget=self.config.budget, gates=self._share_gates,
+                                   evict_every=self.config.evict_every, seed=self.config.seed)
+                _feed(self.model, cache, w.ids, self.config.context)
+                rows.append([layer.store.num_entries() for layer in cache.layers])
+            self.seconds += time.perf_counter() - start
+            self.results[key] = {"entries": [sum(col) / len(col) for col in zip(*rows)]}
+            self._save_progress()
+        return self.results[key]["entries"]
 
     @staticmethod
     def key(layer: int, phase: str, pattern: str, multiple: float, prefill_pattern: str | None = None) -> str:
@@ -492,7 +524,16 @@ class Calibrator:
         entropy = self.entropy()
         for layer in range(L):
             signals[layer]["attention_entropy"] = entropy[layer]
-        budgets, floor = allocate(sensitivity, cfg.budget, cfg.floor_ratio)
+        extra = {}
+        if cfg.budget_source == "gates":
+            weights = self.gate_entries()
+            for layer in range(L):
+                signals[layer]["gate_entries"] = weights[layer]
+            extra = {"entropy_vs_gate_entries_spearman": spearman(entropy, weights),
+                     "sensitivity_vs_gate_entries_spearman": spearman(sensitivity, weights)}
+        else:
+            weights = sensitivity
+        budgets, floor = allocate(weights, cfg.budget, cfg.floor_ratio)
         layers = {phase: [LayerEntry(chosen[phase][i], budgets[i], signals=signals[i] if phase == "prefill" else {})
                           for i in range(L)] for phase in cfg.phases}
         if "decode" in cfg.phases:
@@ -505,11 +546,13 @@ class Calibrator:
                       "distributions and cosine of the final hidden state vs one shared full-cache reference"
                       + (f"; the baseline pattern kept unless a candidate lowers KL by more than {cfg.margin:g} of it"
                          if base else "")
-                      + f"; sensitivity = slope of KL over the probed budget multiples (pattern: {cfg.budget_pattern}); "
-                        "shares = floor + rest proportional to sensitivity",
+                      + f"; sensitivity = slope of KL over the probed budget multiples (pattern: {cfg.budget_pattern})"
+                      + ("; shares = floor + rest proportional to sensitivity" if cfg.budget_source == "probes" else
+                         "; shares = floor + rest proportional to the entries DBTrimKV's gates keep per layer"),
             **{k: v for k, v in asdict(cfg).items() if k not in ("budget", "candidates")},
             "baseline_kl": base_score["kl"] if base_score else None,
             "entropy_vs_sensitivity_spearman": spearman(entropy, sensitivity),
+            **extra,
             "measurements": len(self.results),
             "measure_seconds": round(self.seconds, 1),
         }

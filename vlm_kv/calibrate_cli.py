@@ -32,7 +32,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         context=args.context, continuation=args.continuation, windows_per_file=args.windows,
         sensitivity=_list(args.sensitivity, float), floor_ratio=args.floor_ratio,
         evict_every=args.evict_every, seed=args.seed, baseline=args.baseline or None, margin=args.margin,
-        entropy_queries=args.entropy_queries, budget_pattern=args.budget_pattern,
+        entropy_queries=args.entropy_queries, budget_pattern=args.budget_pattern, budget_source=args.budget_source,
     ).check()
     data = _list(args.data)
     for path in data:
@@ -78,6 +78,9 @@ def register(sub) -> None:
     p.add_argument("--budget-pattern", choices=("chosen", "baseline"), default="chosen",
                    help="pattern a layer's sensitivity is probed with: its chosen one, or the baseline (then the "
                         "budget probes run first and do not wait for the pattern choice)")
+    p.add_argument("--budget-source", choices=("probes", "gates"), default="probes",
+                   help="layer shares from the probes' sensitivity slopes, or from the entries the model's DBTrimKV "
+                        "retention gates keep per layer at the global budget (--gates; default: shipped)")
     p.add_argument("--entropy-queries", type=int, default=64, help="prefill queries the attention entropy averages")
     p.add_argument("--floor-ratio", type=float, default=0.5, help="share of the budget spread evenly over layers")
     p.add_argument("--evict-every", type=int, default=16)
