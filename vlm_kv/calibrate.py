@@ -19,8 +19,9 @@ Our procedure (the PolyKV paper's code is not public):
    (``sensitivity`` multiples of the global budget, below and/or above 1); a layer's
    sensitivity is the slope of its KL curve, (KL at the smallest multiple - KL at the largest)
    / (largest - smallest), at least 0: how much KL a unit of budget buys. The global budget goes
-   ``floor_ratio`` evenly to every layer (the floor) and the rest in proportion to sensitivity,
-   no layer above its full cache.
+   ``floor_ratio`` evenly to every layer (the floor) and the rest in proportion to sensitivity
+   (``budget_source="probes"``) or to the entries the model's DBTrimKV gates keep per layer at
+   the global budget (``budget_source="gates"``), no layer above its full cache.
 4. Attention entropy per layer (mean over heads of the entropy of the last ``entropy_queries``
    prefill queries, full cache, normalised by log of the keys each query sees) is recorded as a
    signal beside the sensitivity, with their Spearman rank correlation (does diffuse attention
