@@ -140,7 +140,7 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
         config_extra={"model": args.model, "data": problems.source, "split": args.split},
         min_pixels=args.min_pixels,
         max_pixels=args.max_pixels,
-        cache_kwargs=tier_kwargs(args) or None,
+        cache_kwargs={**tier_kwargs(args), **({"strategy": args.strategy} if args.strategy else {})} or None,
     )
     if summary is None:  # a non-main process of a sharded run: the main one merged and reports
         return 0
@@ -201,6 +201,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="local folder of a transformers VLM (and its processor)")
     p.add_argument("--policy", required=True, help="cache policy for vlm_kv.make_cache ('full' = no compression)")
+    p.add_argument("--strategy", default=None, help="strategy JSON for policy polykv")
     p.add_argument("--budget", type=parse_budget, required=True,
                    help="fraction of the full cache (0.25) or tokens per KV head (256); 1 = whole cache")
     p.add_argument("--limit", type=int, default=None, help="first N problems only")

@@ -70,7 +70,8 @@ def cmd_mmdu(args: argparse.Namespace) -> int:
     counts = answer(
         model, processor, data, out,
         policy=args.policy, budget=args.budget, max_new_tokens=args.max_new_tokens, config=config,
-        min_pixels=args.min_pixels, max_pixels=args.max_pixels, cache_kwargs=tier_kwargs(args) or None,
+        min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+        cache_kwargs={**tier_kwargs(args), **({"strategy": args.strategy} if args.strategy else {})} or None,
     )
     if counts is None:  # a non-main process of a sharded run: the main one merged, judges and reports
         return 0
@@ -103,6 +104,7 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--images", required=True, help="folder the images archive was extracted to")
     p.add_argument("--judge", default=None, help="local folder of a transformers chat model used as judge")
     p.add_argument("--policy", required=True, help="cache policy for vlm_kv.make_cache ('full' = no compression)")
+    p.add_argument("--strategy", default=None, help="strategy JSON for policy polykv")
     p.add_argument("--budget", type=parse_budget, required=True,
                    help="fraction of the full cache (0.25) or tokens per KV head (256); 1 = whole cache")
     p.add_argument("--limit", type=int, default=None, help="first N dialogs only")

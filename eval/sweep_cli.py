@@ -61,6 +61,12 @@ def _cache_kwargs(args) -> dict:
     if args.gates:
         kw["gates"] = args.gates
     kw.update(tier_kwargs(args))
+    if args.strategy:
+        # the cache options go to every policy of the sweep, and only polykv takes a strategy
+        others = [p for p in args.policies if p not in ("polykv", "full")]
+        if others:
+            raise ValueError(f"--strategy is for policy 'polykv'; sweep {', '.join(others)} without it")
+        kw["strategy"] = args.strategy
     return kw
 
 
@@ -195,6 +201,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps")
     p.add_argument("--gates", default=None, help="retention gates folder for trimkv / dbtrimkv")
     add_tier_args(p)
+    p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for the model)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="generation length (default: retrieval 16, mathvision 4096, mmdu 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

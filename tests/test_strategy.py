@@ -103,3 +103,46 @@ def test_ablations_keep_one_half_of_the_strategy(model):
     assert single.relative_shares("prefill") == pytest.approx(s.relative_shares("prefill"))
     with pytest.raises(StrategyError, match="unknown policy"):
         s.with_pattern("nope")
+
+
+# ------------------------------------------------------------------ --strategy on the command lines
+
+def test_bench_passes_the_strategy_to_polykv_only(monkeypatch):
+    import vlm_kv.bench as bench_mod
+
+    made = []
+    monkeypatch.setattr(bench_mod, "make_cache", lambda model, **kw: made.append(kw))
+    monkeypatch.setattr(bench_mod, "bench_tokens", lambda *a: None)
+    monkeypatch.setattr(bench_mod, "run_one", lambda model, ids, context, steps, repeats, factory, *rest: factory())
+    monkeypatch.setattr(bench_mod, "DynamicCache", lambda config: made.append("full"))
+    model = type("M", (), {"config": None})()
+    list(bench_mod.bench(model, None, [64], ["snapkv", "polykv"], [0.1], progress=False, strategy="s.json"))
+    assert made[0] == "full" and [kw.get("strategy") for kw in made[1:]] == [None, "s.json"]
+
+
+def test_clis_take_a_strategy(monkeypatch, capsys):
+    import argparse
+
+    import vlm_kv.cli as cli
+    import vlm_kv.demo as demo
+    from vlm_kv.eval.lmms_eval_model import split_model_args
+    from vlm_kv.eval.sweep_cli import _cache_kwargs
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    assert cli.main(["bench", "--policies", "snapkv", "--strategy", "s.json"]) == 2
+    assert "--strategy is for policy 'polykv'" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(cli, "_check_model", lambda name: None)
+    assert cli.main(["demo", "--policy", "polykv", "--strategy", "s.json"]) == 0 and seen["strategy"] == "s.json"
+    _, cache = split_model_args("pretrained=/m,policy=polykv,budget=0.1,strategy=s.json")
+    assert cache == {"policy": "polykv", "budget": 0.1, "strategy": "s.json"}
+    args = argparse.Namespace(evict_every=None, gates=None, strategy="s.json", policies=["full", "polykv"])
+    assert _cache_kwargs(args) == {"strategy": "s.json"}
+    args.policies = ["polykv", "h2o"]
+    with pytest.raises(ValueError, match="sweep h2o without it"):
+        _cache_kwargs(args)
+    for argv in (["eval", "mathvision", "--model", "m", "--policy", "polykv", "--budget", "0.1", "--strategy", "s.json"],
+                 ["eval", "mmdu", "--model", "m", "--data", "d", "--images", "i", "--policy", "polykv", "--budget", "0.1",
+                  "--strategy", "s.json"]):
+        assert cli.build_parser().parse_args(argv).strategy == "s.json"

@@ -156,11 +156,11 @@ def run_one(model, ids: torch.Tensor, context: int, steps: int, repeats: int, fa
 
 def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: list[float],
           text_path: str | None = None, steps: int = 32, repeats: int = 3,
-          prefill_chunk: int | None = None, progress: bool = True,
+          prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
           cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
     """DynamicCache and every (policy, budget) at every context; yields one row per run.
+    ``strategy``: the strategy JSON of ``polykv`` (default: the one shipped for the model);
     ``cache_kwargs`` go to every ``make_cache`` (e.g. ``tiers="int2"``)."""
-    extra = dict(cache_kwargs or {})
     from tqdm.auto import tqdm
 
     ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
@@ -169,8 +169,12 @@ def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: l
         runs.append((context, "full", None, lambda: DynamicCache(config=model.config)))
         for policy in policies:
             for budget in budgets:
+                extra = dict(cache_kwargs or {})
+                if strategy and policy == "polykv":
+                    extra["strategy"] = strategy
                 runs.append((context, policy, budget,
-                             lambda p=policy, b=budget: make_cache(model, policy=p, budget=b, prefill_chunk=prefill_chunk, **extra)))
+                             lambda p=policy, b=budget, e=extra: make_cache(model, policy=p, budget=b,
+                                                                            prefill_chunk=prefill_chunk, **e)))
     bar = tqdm(runs, desc="bench", disable=not progress, leave=False)
     for context, label, budget, factory in bar:
         bar.set_postfix_str(f"{label}@{budget if budget is not None else 1} ctx {context}")

@@ -5,19 +5,31 @@ Our procedure (the PolyKV paper's code is not public):
 1. Reference: for each calibration window (``context`` tokens prefilled, ``continuation`` fed
    one at a time) the full cache's next-token log-probs and final hidden states, computed once
    and shared by every probe.
-2. Pattern preference per (layer, phase): a probe compresses one layer alone to the global
-   budget (every other layer keeps its full cache) with one candidate, and measures the mean
-   KL(full || probe) of the next-token distributions and the mean cosine of the final hidden
-   state. The lowest KL wins (cosine breaks ties). The prefill phase is calibrated first (the
-   candidate evicts in both phases); the decode phase then varies the decode pattern with the
-   layer's prefill pattern fixed.
-3. Budget sensitivity per layer: the same probe with the chosen patterns at smaller budgets
-   (``sensitivity`` multiples of the global budget); a layer's sensitivity is its mean KL over
-   the probed budgets. The global budget goes ``floor_ratio`` evenly to every layer (the floor)
-   and the rest in proportion to sensitivity, no layer above its full cache.
+2. Pattern preference per (layer, phase): a probe switches one layer to one candidate and
+   measures the mean KL(full || probe) of the next-token distributions and the mean cosine of
+   the final hidden state. The other layers of a probe either keep their full cache
+   (``baseline=None``, the single-layer probe) or are all compressed to the global budget by the
+   ``baseline`` pattern (leave-one-out against a compressed baseline: closer to deployment,
+   where every layer is compressed and layers interact). The lowest KL wins (cosine breaks
+   ties); with a baseline, a layer leaves the baseline pattern only when another candidate
+   lowers the KL by more than ``margin`` (relative to the baseline's KL). The prefill phase is
+   calibrated first (the candidate evicts in both phases); the decode phase then varies the
+   decode pattern with the layer's prefill pattern fixed.
+3. Budget sensitivity per layer: the same probe with the chosen pattern at other budgets
+   (``sensitivity`` multiples of the global budget, below and/or above 1); a layer's
+   sensitivity is the slope of its KL curve, (KL at the smallest multiple - KL at the largest)
+   / (largest - smallest), at least 0: how much KL a unit of budget buys. The global budget goes
+   ``floor_ratio`` evenly to every layer (the floor) and the rest in proportion to sensitivity
+   (``budget_source="probes"``) or to the entries the model's DBTrimKV gates keep per layer at
+   the global budget (``budget_source="gates"``), no layer above its full cache.
+4. Attention entropy per layer (mean over heads of the entropy of the last ``entropy_queries``
+   prefill queries, full cache, normalised by log of the keys each query sees) is recorded as a
+   signal beside the sensitivity, with their Spearman rank correlation (does diffuse attention
+   predict sensitivity?); it does not enter the shares.
 
 Cheap by construction: short windows (512 + 32 tokens by default), one shared reference, few
-budgets, and a probe evicts in one layer only. Every measurement is saved to a JSON progress
+budgets; with a baseline the candidate equal to the baseline needs no probe per layer (it is
+the baseline run, measured once). Every measurement is saved to a JSON progress
 file as soon as it finishes; a rerun with the same settings reloads it and measures only what
 is missing, so the result is the same whether or not the run was interrupted.
 """
@@ -36,17 +48,25 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from vlm_kv.allocation import Allocation
+from vlm_kv.allocation import Allocation, Uniform
+from vlm_kv.attention import attention_probs
 from vlm_kv.api import cache_kwarg
 from vlm_kv.budget import Budget
 from vlm_kv.cache import CompressedCache
 from vlm_kv.hooks import attach
 from vlm_kv.models.adapters import get_adapter
 from vlm_kv.policies import PolyKV, PolyKVAllocation, normalize_policy_name, policy_spec
+from vlm_kv.policies.base import Scorer
 from vlm_kv.strategy import PHASES, LayerEntry, Strategy, StrategyError
 
 #: pattern of the layers a probe leaves full (it never evicts there; this one observes nothing)
 FULL_LAYER_PATTERN = "streaming_llm"
+
+
+#: settings that choose from the measurements, or which ones to take, without changing any
+#: measurement (every measurement is keyed by layer, pattern(s) and budget multiple)
+CHOICE_SETTINGS = ("margin", "floor_ratio", "candidates", "sensitivity", "phases", "budget_pattern", "budget_source")
+BUDGET_SOURCES = ("probes", "gates")
 
 
 @dataclass
@@ -61,6 +81,11 @@ class CalibrationConfig:
     floor_ratio: float = 0.5                    # share of the budget spread evenly (the floor)
     evict_every: int = 16
     seed: int = 0
+    baseline: str | None = None                 # pattern of the other layers in a probe (None: full cache)
+    margin: float = 0.0                         # relative KL gain needed to leave the baseline pattern
+    entropy_queries: int = 64                   # prefill queries per window the entropy signal averages
+    budget_pattern: str = "chosen"              # pattern probed for sensitivity: "chosen" or "baseline"
+    budget_source: str = "probes"               # shares from the probes' sensitivity, or from the gates' top-k
 
     def check(self) -> "CalibrationConfig":
         if not 0.0 < self.budget < 1.0:
@@ -71,9 +96,9 @@ class CalibrationConfig:
         for c in self.candidates:
             if c in ("full", "polykv"):
                 raise ValueError(f"candidate {c!r} is not an eviction pattern")
-            if policy_spec(c).needs_gates:
-                raise ValueError(f"candidate {c!r} needs retention gates; calibration with gated candidates is "
-                                 "not supported yet (a strategy may still name them: make_cache passes the gates)")
+        kinds = {policy_spec(c).gate_kind for c in self.candidates} - {None}
+        if len(kinds) > 1:
+            raise ValueError(f"gated candidates need one gate kind per calibration, got {sorted(kinds)}")
         if len(set(self.candidates)) != len(self.candidates):
             raise ValueError(f"duplicate candidates: {self.candidates}")
         bad = [p for p in self.phases if p not in PHASES]
@@ -81,8 +106,24 @@ class CalibrationConfig:
             raise ValueError(f"--phases must be 'prefill' or 'prefill,decode', got {','.join(self.phases)}")
         if self.context < 2 or self.continuation < 1:
             raise ValueError("context must be >= 2 tokens and continuation >= 1")
-        if not all(0.0 < m < 1.0 for m in self.sensitivity):
-            raise ValueError(f"sensitivity multiples must be in (0, 1), got {self.sensitivity}")
+        if not self.sensitivity or not all(0.0 < m <= 1.0 / self.budget and m != 1.0 for m in self.sensitivity):
+            raise ValueError(f"sensitivity multiples must be in (0, 1/budget] and not 1, got {self.sensitivity}")
+        if self.baseline is not None:
+            self.baseline = normalize_policy_name(self.baseline)
+            if self.baseline not in self.candidates:
+                raise ValueError(f"--baseline {self.baseline!r} must be one of the candidates {self.candidates}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if self.margin and self.baseline is None:
+            raise ValueError("a margin is measured against the baseline pattern: give --baseline")
+        if self.budget_source not in BUDGET_SOURCES:
+            raise ValueError(f"budget_source must be one of {BUDGET_SOURCES}, got {self.budget_source!r}")
+        if self.budget_pattern not in ("chosen", "baseline"):
+            raise ValueError(f"budget_pattern must be 'chosen' or 'baseline', got {self.budget_pattern!r}")
+        if self.budget_pattern == "baseline" and self.baseline is None:
+            raise ValueError("budget_pattern 'baseline' needs --baseline")
+        if self.entropy_queries < 1:
+            raise ValueError(f"entropy_queries must be >= 1, got {self.entropy_queries}")
         if not 0.0 <= self.floor_ratio <= 1.0:
             raise ValueError(f"floor_ratio must be in [0, 1], got {self.floor_ratio}")
         return self
@@ -130,16 +171,18 @@ def _feed(model, cache, ids: torch.Tensor, context: int) -> tuple[torch.Tensor, 
 
 
 def probe_strategy(fingerprint: dict, num_layers: int, layer: int, fraction: float,
-                   patterns: dict[str, str]) -> Strategy:
-    """Every layer full except ``layer``, which keeps ``fraction`` of its cache with
-    ``patterns[phase]``; the global budget is what that amounts to."""
-    full = 1.0 / num_layers
+                   patterns: dict[str, str], base_pattern: str | None = None, base_fraction: float = 1.0) -> Strategy:
+    """``layer`` keeps ``fraction`` of its cache with ``patterns[phase]``; every other layer keeps
+    ``base_fraction`` of its cache with ``base_pattern`` (default: its full cache). The global
+    budget is what that amounts to."""
+    if base_pattern is None:
+        base_pattern, base_fraction = FULL_LAYER_PATTERN, 1.0
     layers = {}
     for phase, pattern in patterns.items():
-        entries = [LayerEntry(FULL_LAYER_PATTERN, full) for _ in range(num_layers)]
+        entries = [LayerEntry(base_pattern, base_fraction / num_layers) for _ in range(num_layers)]
         entries[layer] = LayerEntry(pattern, fraction / num_layers)
         layers[phase] = entries
-    total = (num_layers - 1 + fraction) / num_layers
+    total = ((num_layers - 1) * base_fraction + fraction) / num_layers
     return Strategy(model=fingerprint, budget=total, layers=layers).validate()
 
 
@@ -173,11 +216,82 @@ class _FixedLayer(Allocation):
         return self.owner.inner[self.owner.phase][self.layer_idx].keep_layer(scores, cap)
 
 
-def probe_cache(model, strategy: Strategy, evict_every: int, seed: int) -> CompressedCache:
-    """A cache evicting with ``strategy``'s patterns at its exact per-layer fractions."""
+def probe_cache(model, strategy: Strategy, evict_every: int, seed: int, gates=None) -> CompressedCache:
+    """A cache evicting with ``strategy``'s patterns at its exact per-layer fractions; ``gates``
+    (a RetentionGates module) are attached only when one of its patterns is gated."""
     adapter = attach(model)
+    gated = any(policy_spec(p).needs_gates for p in strategy.patterns())
+    if gated and gates is None:
+        raise ValueError(f"the probe has gated patterns ({sorted(strategy.patterns())}) but no gates were given")
     return CompressedCache(adapter, PolyKV(strategy=strategy), LayerFractions(strategy), Budget(fraction=1.0),
-                           evict_every=evict_every, policy_name="polykv-probe", model_id=id(model), seed=seed)
+                           evict_every=evict_every, policy_name="polykv-probe", model_id=id(model), seed=seed,
+                           gates=gates if gated else None)
+
+
+class _EntropyRecorder(Scorer):
+    """Observes a full-cache prefill and records, per layer, the mean attention entropy of the
+    last ``queries`` queries (each query's entropy divided by log of the keys it sees, so 1 is
+    uniform attention over its past and 0 one key), averaged over heads. It never evicts."""
+
+    def __init__(self, num_layers: int, queries: int) -> None:
+        self.queries = queries
+        self.per_layer: list[list[float]] = [[] for _ in range(num_layers)]
+        self._layers = [_EntropyLayer(self, i) for i in range(num_layers)]
+
+    def for_layer(self, layer_idx: int) -> Scorer:
+        return self._layers[layer_idx]
+
+
+
+class _EntropyLayer(Scorer):
+    def __init__(self, owner: _EntropyRecorder, layer_idx: int) -> None:
+        self.owner, self.layer_idx = owner, layer_idx
+
+    def score(self, ctx) -> torch.Tensor:
+        # budget 1.0 keeps everything whatever the scores
+        return torch.zeros(ctx.view.positions.shape, dtype=torch.float32)
+
+    def observe(self, store, query, view, query_positions, scaling) -> None:
+        if query.shape[2] < 2:
+            return  # decode steps: the signal is the prefill's
+        q = min(self.owner.queries, query.shape[2])
+        probs = attention_probs(query[:, :, -q:], view, query_positions[-q:], scaling)  # [B, H, g, Q, L]
+        ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)                          # [B, H, g, Q]
+        keys = (query_positions[-q:].double() - view.positions.min().double() + 1).clamp_min(2)
+        self.owner.per_layer[self.layer_idx].append(float((ent.double() / keys.log()).mean()))
+
+
+@torch.no_grad()
+def attention_entropy(model, ids: torch.Tensor, context: int, queries: int) -> list[float]:
+    """Per-layer normalised attention entropy of the prefill of ``ids[:, :context]`` (full cache)."""
+    adapter = attach(model)
+    recorder = _EntropyRecorder(adapter.num_layers, queries)
+    cache = CompressedCache(adapter, recorder, Uniform(), Budget(fraction=1.0), evict_every=1 << 30,
+                            policy_name="entropy-probe", model_id=id(model), seed=0)
+    model(input_ids=ids[:, :context], **{cache_kwarg(model): cache}, use_cache=True)
+    return [sum(v) / len(v) if v else float("nan") for v in recorder.per_layer]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
 
 
 def allocate(sensitivity: list[float], budget: float, floor_ratio: float) -> tuple[list[float], float]:
@@ -202,7 +316,11 @@ class Calibrator:
 
     def __init__(self, model, tokenizer, data: list[str], config: CalibrationConfig,
                  progress_path: str | None = None, show_progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, only_measured: bool = False,
+                 gates=None) -> None:
+        """``gates``: a folder or RetentionGates module for gated candidates (default: the gates
+        shipped for the model)."""
+        self.only_measured = only_measured
         self.model = model
         self.config = config.check()
         self.fingerprint = get_adapter(model).fingerprint()
@@ -212,10 +330,25 @@ class Calibrator:
         self.progress_path = progress_path
         self.show_progress = show_progress
         self.log = log or (lambda msg: None)
+        # margin and floor_ratio only decide from the measurements: a progress file serves any of them
+        measured = {k: v for k, v in asdict(self.config).items() if k not in CHOICE_SETTINGS}
         self.settings = {"model": self.fingerprint, "data": [os.path.basename(p) for p in self.data],
-                         "config": asdict(self.config)}
+                         "config": measured}
+        self.gates = None
+        self._gates_arg = gates
+        self._share_gates = gates if gates is not None and not isinstance(gates, str) else None
+        kinds = {policy_spec(c).gate_kind for c in self.config.candidates} - {None}
+        if kinds:
+            from vlm_kv.api import _resolve_gates
+
+            kind = kinds.pop()
+            self.gates = _resolve_gates(model, gates, kind, "polykv")
+            if kind == "dbtrimkv":
+                self._share_gates = self.gates
+            self.settings["gates"] = gates if isinstance(gates, str) else f"{kind} ({'given' if gates else 'shipped'})"
         self.results: dict[str, dict[str, float]] = {}
         self.seconds = 0.0
+        self._entropy: list[float] | None = None
         self._load_progress()
 
     # ------------------------------------------------------------ progress file
@@ -246,6 +379,38 @@ class Calibrator:
                 w.ref_logps, w.ref_hidden = _feed(self.model, DynamicCache(config=self.model.config), w.ids,
                                                   self.config.context)
 
+    def entropy(self) -> list[float]:
+        """Per-layer attention entropy averaged over the windows (full cache, prefill)."""
+        if self._entropy is None:
+            per_window = [attention_entropy(self.model, w.ids, self.config.context, self.config.entropy_queries)
+                          for w in self.windows]
+            self._entropy = [sum(col) / len(col) for col in zip(*per_window)]
+        return self._entropy
+
+    def gate_entries(self) -> list[float]:
+        """Entries per layer that the model's DBTrimKV retention gates keep at the global budget
+        (one global top-k over all layers), at the end of each window, averaged over windows.
+        The gates learned which layers need their entries: their split is a budget profile."""
+        key = "gate_entries|dbtrimkv"
+        if key not in self.results:
+            if self.only_measured:
+                raise StrategyError(f"measurement {key!r} is not in {self.progress_path}; run without --only-measured")
+            from vlm_kv.api import _resolve_gates, make_cache
+
+            if self._share_gates is None:
+                self._share_gates = _resolve_gates(self.model, self._gates_arg, "dbtrimkv", "polykv")
+            start = time.perf_counter()
+            rows = []
+            for w in self.windows:
+                cache = make_cache(self.model, policy="dbtrimkv", budget=self.config.budget, gates=self._share_gates,
+                                   evict_every=self.config.evict_every, seed=self.config.seed)
+                _feed(self.model, cache, w.ids, self.config.context)
+                rows.append([layer.store.num_entries() for layer in cache.layers])
+            self.seconds += time.perf_counter() - start
+            self.results[key] = {"entries": [sum(col) / len(col) for col in zip(*rows)]}
+            self._save_progress()
+        return self.results[key]["entries"]
+
     @staticmethod
     def key(layer: int, phase: str, pattern: str, multiple: float, prefill_pattern: str | None = None) -> str:
         head = f"{layer}|{phase}|{pattern}|{multiple:g}"
@@ -254,12 +419,14 @@ class Calibrator:
     def measure(self, layer: int, patterns: dict[str, str], multiple: float) -> dict[str, float]:
         """KL and cosine of one probe, averaged over the windows."""
         self._reference()
+        cfg = self.config
         start = time.perf_counter()
-        strategy = probe_strategy(self.fingerprint, self.num_layers, layer, self.config.budget * multiple, patterns)
+        strategy = probe_strategy(self.fingerprint, self.num_layers, layer, cfg.budget * multiple, patterns,
+                                  cfg.baseline, cfg.budget if cfg.baseline else 1.0)
         kls, coss = [], []
         for w in self.windows:
-            cache = probe_cache(self.model, strategy, self.config.evict_every, self.config.seed)
-            logps, hidden = _feed(self.model, cache, w.ids, self.config.context)
+            cache = probe_cache(self.model, strategy, cfg.evict_every, cfg.seed, self.gates)
+            logps, hidden = _feed(self.model, cache, w.ids, cfg.context)
             kls.append(float(F.kl_div(logps, w.ref_logps, log_target=True, reduction="none").sum(-1).mean()))
             coss.append(float(F.cosine_similarity(hidden, w.ref_hidden, dim=-1).mean()))
         self.seconds += time.perf_counter() - start
@@ -267,62 +434,126 @@ class Calibrator:
 
     def _get(self, key: str, layer: int, patterns: dict[str, str], multiple: float, bar) -> dict[str, float]:
         if key not in self.results:
+            if self.only_measured:
+                raise StrategyError(f"measurement {key!r} is not in {self.progress_path}; run without "
+                                    "--only-measured to measure it")
             self.results[key] = self.measure(layer, patterns, multiple)
             self._save_progress()
         bar.update(1)
         return self.results[key]
 
+    def _choose(self, scores: dict[str, dict[str, float]]) -> str:
+        cands = self.config.candidates
+        best = min(cands, key=lambda c: (scores[c]["kl"], -scores[c]["cos"], cands.index(c)))
+        base = self.config.baseline
+        if base is not None and best != base and scores[best]["kl"] > scores[base]["kl"] * (1 - self.config.margin):
+            return base  # not a clear enough gain over the baseline pattern
+        return best
+
+    def _curve(self, layer: int, pats: dict[str, str], at_one: float, bar) -> dict[float, float]:
+        """KL of ``layer`` at every sensitivity multiple with ``pats`` (its value at 1 given)."""
+        same = pats["prefill"] == pats.get("decode", pats["prefill"])
+        curve = {1.0: at_one}
+        for m in self.config.sensitivity:
+            if same:
+                key, probe = self.key(layer, "prefill", pats["prefill"], m), {"prefill": pats["prefill"]}
+            else:
+                key, probe = self.key(layer, "decode", pats["decode"], m, pats["prefill"]), pats
+            curve[m] = self._get(key, layer, probe, m, bar)["kl"]
+        return curve
+
     def run(self) -> Strategy:
         cfg = self.config
-        L, cands = self.num_layers, cfg.candidates
-        total = L * len(cands) * len(cfg.phases) + L * len(cfg.sensitivity)
+        L, cands, base = self.num_layers, cfg.candidates, cfg.baseline
+        probed = len(cands) - (1 if base else 0)
+        total = (1 if base else 0) + L * probed + L * (len(cands) - 1) * (len(cfg.phases) - 1) \
+            + L * len(cfg.sensitivity)
         bar = tqdm(total=total, desc="calibrate", disable=not self.show_progress, unit="probe")
+        base_score = self._get(f"baseline|{base}", 0, {"prefill": base}, 1.0, bar) if base else None
+        curves: dict[int, dict[float, float]] = {}
+        if cfg.budget_pattern == "baseline":
+            # budgets first: they need only the baseline, so an interrupted run already has them
+            for layer in range(L):
+                curves[layer] = self._curve(layer, {"prefill": base}, base_score["kl"], bar)
         chosen: dict[str, list[str]] = {}
         signals: list[dict] = [{} for _ in range(L)]
-        for phase in cfg.phases:
+        scores: list[dict[str, dict[str, float]]] = [{} for _ in range(L)]
+        # prefill: candidate by candidate over all layers (an interrupted run has whole candidates)
+        for cand in cands:
+            for layer in range(L):
+                if cand == base:
+                    scores[layer][cand] = base_score  # the layer keeps the baseline: the baseline run
+                else:
+                    key = self.key(layer, "prefill", cand, 1.0)
+                    scores[layer][cand] = self._get(key, layer, {"prefill": cand}, 1.0, bar)
+        chosen["prefill"] = [self._choose(scores[layer]) for layer in range(L)]
+        for layer in range(L):
+            signals[layer]["prefill"] = {"kl": {c: scores[layer][c]["kl"] for c in cands},
+                                         "cos": {c: scores[layer][c]["cos"] for c in cands},
+                                         "chosen": chosen["prefill"][layer]}
+        if "decode" in cfg.phases:
             picks = []
             for layer in range(L):
-                scores = {}
+                first = chosen["prefill"][layer]
+                dec = {}
                 for cand in cands:
-                    if phase == "prefill":
-                        key, pats = self.key(layer, phase, cand, 1.0), {"prefill": cand}
-                    else:
-                        first = chosen["prefill"][layer]
-                        key = self.key(layer, phase, cand, 1.0, first)
-                        pats = {"prefill": first, "decode": cand}
-                    scores[cand] = self._get(key, layer, pats, 1.0, bar)
-                best = min(cands, key=lambda c: (scores[c]["kl"], -scores[c]["cos"], cands.index(c)))
+                    if cand == first:
+                        dec[cand] = scores[layer][first]
+                        continue
+                    key = self.key(layer, "decode", cand, 1.0, first)
+                    dec[cand] = self._get(key, layer, {"prefill": first, "decode": cand}, 1.0, bar)
+                best = self._choose(dec)
                 picks.append(best)
-                signals[layer][phase] = {"kl": {c: scores[c]["kl"] for c in cands},
-                                         "cos": {c: scores[c]["cos"] for c in cands}, "chosen": best}
-            chosen[phase] = picks
-        if "decode" not in chosen:
+                signals[layer]["decode"] = {"kl": {c: dec[c]["kl"] for c in cands},
+                                            "cos": {c: dec[c]["cos"] for c in cands}, "chosen": best}
+            chosen["decode"] = picks
+        else:
             chosen["decode"] = chosen["prefill"]
         sensitivity = []
         for layer in range(L):
-            pats = {"prefill": chosen["prefill"][layer], "decode": chosen["decode"][layer]}
-            curve = {1.0: signals[layer]["prefill"]["kl"][pats["prefill"]]} if pats["prefill"] == pats["decode"] \
-                else {1.0: signals[layer]["decode"]["kl"][pats["decode"]]}
-            for m in cfg.sensitivity:
-                after = None if pats["prefill"] == pats["decode"] else pats["prefill"]
-                phase = "prefill" if after is None else "decode"
-                key = self.key(layer, phase, pats[phase], m, after)
-                curve[m] = self._get(key, layer, pats if after else {"prefill": pats["prefill"]}, m, bar)["kl"]
+            if cfg.budget_pattern == "chosen":
+                pats = {"prefill": chosen["prefill"][layer], "decode": chosen["decode"][layer]}
+                phase = "prefill" if pats["prefill"] == pats["decode"] else "decode"
+                curves[layer] = self._curve(layer, pats, signals[layer][phase]["kl"][pats[phase]], bar)
+            curve = curves[layer]
+            lo, hi = min(curve), max(curve)
+            slope = max(0.0, (curve[lo] - curve[hi]) / (hi - lo))
             signals[layer]["kl_by_budget_multiple"] = {f"{m:g}": v for m, v in sorted(curve.items())}
-            sensitivity.append(sum(curve.values()) / len(curve))
-            signals[layer]["sensitivity"] = sensitivity[-1]
+            signals[layer]["sensitivity"] = slope
+            sensitivity.append(slope)
         bar.close()
-        budgets, floor = allocate(sensitivity, cfg.budget, cfg.floor_ratio)
+        entropy = self.entropy()
+        for layer in range(L):
+            signals[layer]["attention_entropy"] = entropy[layer]
+        extra = {}
+        if cfg.budget_source == "gates":
+            weights = self.gate_entries()
+            for layer in range(L):
+                signals[layer]["gate_entries"] = weights[layer]
+            extra = {"entropy_vs_gate_entries_spearman": spearman(entropy, weights),
+                     "sensitivity_vs_gate_entries_spearman": spearman(sensitivity, weights)}
+        else:
+            weights = sensitivity
+        budgets, floor = allocate(weights, cfg.budget, cfg.floor_ratio)
         layers = {phase: [LayerEntry(chosen[phase][i], budgets[i], signals=signals[i] if phase == "prefill" else {})
                           for i in range(L)] for phase in cfg.phases}
         if "decode" in cfg.phases:
             for i in range(L):
                 layers["decode"][i].signals = {"see": "prefill entry of this layer"}
+        others = "full" if base is None else f"compressed to the global budget by {base}"
         calibration = {
             "data": [{"file": w.source, "offset": w.offset, "tokens": int(w.ids.shape[1])} for w in self.windows],
-            "method": "one layer compressed at a time, others full; KL of next-token distributions and cosine of "
-                      "the final hidden state vs one shared full-cache reference; sensitivity = mean KL over budgets",
+            "method": f"one layer switched to a candidate at a time, the other layers {others}; KL of next-token "
+                      "distributions and cosine of the final hidden state vs one shared full-cache reference"
+                      + (f"; the baseline pattern kept unless a candidate lowers KL by more than {cfg.margin:g} of it"
+                         if base else "")
+                      + f"; sensitivity = slope of KL over the probed budget multiples (pattern: {cfg.budget_pattern})"
+                      + ("; shares = floor + rest proportional to sensitivity" if cfg.budget_source == "probes" else
+                         "; shares = floor + rest proportional to the entries DBTrimKV's gates keep per layer"),
             **{k: v for k, v in asdict(cfg).items() if k not in ("budget", "candidates")},
+            "baseline_kl": base_score["kl"] if base_score else None,
+            "entropy_vs_sensitivity_spearman": spearman(entropy, sensitivity),
+            **extra,
             "measurements": len(self.results),
             "measure_seconds": round(self.seconds, 1),
         }
@@ -331,9 +562,12 @@ class Calibrator:
 
 
 def calibrate(model, tokenizer, data: list[str], config: CalibrationConfig, progress_path: str | None = None,
-              show_progress: bool = True) -> Strategy:
-    """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring)."""
-    return Calibrator(model, tokenizer, data, config, progress_path, show_progress).run()
+              show_progress: bool = True, only_measured: bool = False, gates=None) -> Strategy:
+    """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring);
+    ``only_measured``: choose from the measurements in ``progress_path`` and measure nothing;
+    ``gates``: for gated candidates (trimkv, dbtrimkv), a folder or module (default: shipped)."""
+    return Calibrator(model, tokenizer, data, config, progress_path, show_progress,
+                      only_measured=only_measured, gates=gates).run()
 
 
 def plot_strategy(strategy: Strategy, path: str) -> None:

@@ -112,6 +112,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--contexts must be >= 2 tokens, got {args.contexts}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.strategy and "polykv" not in policies:
+        raise ValueError("--strategy is for policy 'polykv'; add polykv to --policies")
     _check_text(args.text)
     _check_device(args.device)
     _check_model(args.model)
@@ -124,7 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{'cache':>22} {'context':>7} {'prefill s':>9} {'ms/token':>9} {'tok/s':>7} {'evict':>6} "
               f"{'KV prefill MiB':>14} {'KV decode MiB':>13} {'peak mem MiB':>12}")
     for row in bench(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
-                     args.prefill_chunk, progress=not args.json, cache_kwargs=tiers):
+                     args.prefill_chunk, progress=not args.json, strategy=args.strategy, cache_kwargs=tiers):
         rows.append(row)
         if args.json:
             print(json.dumps(row.as_dict()), flush=True)
@@ -147,7 +149,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     budget = Budget.parse(args.budget).as_number()
     policy = _check_policy(args.policy, args.gates)
     _check_model("smollm2")
-    return run_demo(policy=policy, budget=budget, max_new_tokens=args.max_new_tokens, gates=args.gates)
+    return run_demo(policy=policy, budget=budget, max_new_tokens=args.max_new_tokens, gates=args.gates,
+                    strategy=args.strategy)
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -230,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default="0.25")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
+    p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("fidelity", help="KL / top-1 / NLL of a compressed cache vs the full cache on real text")
@@ -260,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s and peak prefill KV vs context")
     add_tier_args(p)
+    p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("policies", help="list the eviction policies")

@@ -50,7 +50,7 @@ def conversation(model, tokenizer, document: str, questions: tuple[str, ...], ca
 
 
 def run_demo(policy: str = "dbtrimkv", budget: float = 0.25, max_new_tokens: int = 48, gates: str | None = None,
-             questions: tuple[str, ...] = QUESTIONS, loaded: tuple | None = None) -> int:
+             questions: tuple[str, ...] = QUESTIONS, loaded: tuple | None = None, strategy: str | None = None) -> int:
     """Print full-cache and compressed-cache answers side by side; the questions are successive
     turns of one conversation, each new turn prefilled on top of the (compressed) cache.
     ``loaded`` = (model, tokenizer)."""
@@ -68,6 +68,8 @@ def run_demo(policy: str = "dbtrimkv", budget: float = 0.25, max_new_tokens: int
     width = 58
     full = DynamicCache(config=model.config)
     kwargs = {"gates": gates} if gates else {}
+    if strategy:
+        kwargs["strategy"] = strategy
     small = make_cache(model, policy=policy, budget=budget, **kwargs)
     full_answers = conversation(model, tokenizer, document, questions, full, max_new_tokens)
     small_answers = conversation(model, tokenizer, document, questions, small, max_new_tokens)

@@ -16,6 +16,13 @@ How the pieces plug into the core:
 
 Gated patterns (trimkv, dbtrimkv) score with their retention gates, each layer taking its own
 top-k: DBTrimKV's single global top-k over all layers is replaced by the strategy's shares.
+
+Per-modality shares (``LayerEntry.modality``, text / image / video summing to 1) split a layer's
+budget inside the layer: each modality's best entries up to its share rank above every entry
+beyond its share, so the surplus is evicted first (by score); a modality holding fewer entries
+than its share passes the rest on to the others; the protected sinks and recent window count in
+their own modality's share. Quotas are per head for uniform patterns and over the layer's heads
+for head-adaptive ones (AdaKV). Done in the scorer, so no core hook is needed.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ from typing import ClassVar
 
 import torch
 
-from vlm_kv.allocation import Allocation, Uniform
-from vlm_kv.policies.base import ScoreContext, Scorer
+from vlm_kv.allocation import Allocation, HeadAdaptive, Uniform
+from vlm_kv.policies.base import ScoreContext, Scorer, protected_counts
 from vlm_kv.strategy import PHASES, Strategy
 
 
@@ -62,12 +69,81 @@ def split_capacity(total: int, shares: list[float], limit: int) -> list[int]:
     return caps
 
 
+def modality_quotas(counts: torch.Tensor, shares: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Entries each modality may keep before its surplus is evicted first: ``total`` split by
+    ``shares``; a modality holding fewer entries than its share passes the rest to the others
+    in proportion to theirs (water-filling). counts: [..., M], shares: [M], total: [...];
+    returns [..., M] (floored)."""
+    counts = counts.double()
+    quota = torch.zeros_like(counts)
+    active = (counts > 0) & (shares > 0)
+    left = torch.minimum(total.double(), counts.sum(-1))
+    for _ in range(counts.shape[-1]):
+        weight = torch.where(active, shares.double().expand_as(counts), torch.zeros_like(counts))
+        wsum = weight.sum(-1, keepdim=True)
+        ideal = torch.where(wsum > 0, left.unsqueeze(-1) * weight / wsum.clamp_min(1e-300), torch.zeros_like(counts))
+        room = counts - quota
+        full = active & (ideal >= room)
+        if not bool(full.any()):
+            quota = quota + ideal
+            break
+        quota = torch.where(full, counts, quota)
+        left = left - torch.where(full, room, torch.zeros_like(room)).sum(-1)
+        active = active & ~full
+    return torch.floor(quota + 1e-9).long()
+
+
+def split_by_modality(scores: torch.Tensor, modality: torch.Tensor, valid: torch.Tensor, shares: dict[str, float],
+                      capacity: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """Scores reordered so that, within a layer, the entries of a modality beyond its share of
+    the layer's capacity rank below every entry within its share (each group keeping its own
+    order by score): the allocation's top-k then evicts the surplus first.
+
+    scores, modality, valid: [B, H, L]; capacity: [B] entries per head. ``per_head``: quotas per
+    head (uniform allocations) or over the whole layer (head-adaptive allocations)."""
+    from vlm_kv.models.adapters import MODALITIES
+
+    b, h, length = scores.shape
+    present = torch.unique(modality[valid]) if bool(valid.any()) else torch.empty(0)
+    if present.numel() <= 1:
+        return scores  # one modality: its share is the whole layer
+    share = torch.tensor([float(shares.get(m, 0.0)) for m in MODALITIES], dtype=torch.float64)
+    if per_head:
+        flat_s, flat_m, flat_v, total = scores, modality, valid, capacity.view(-1, 1).expand(b, h)
+    else:
+        flat_s, flat_m, flat_v = scores.reshape(b, 1, -1), modality.reshape(b, 1, -1), valid.reshape(b, 1, -1)
+        total = (capacity * h).view(-1, 1)
+    counts = torch.stack([((flat_m == code) & flat_v).sum(-1) for code in range(len(MODALITIES))], dim=-1)
+    quotas = modality_quotas(counts, share, total)
+    within = torch.zeros_like(flat_v)
+    for code in range(len(MODALITIES)):
+        mine = (flat_m == code) & flat_v
+        if not bool(mine.any()):
+            continue
+        pool = flat_s.float().masked_fill(~mine, float("-inf"))
+        order = torch.argsort(pool, dim=-1, descending=True, stable=True)
+        ranks = torch.empty_like(order)
+        ranks.scatter_(-1, order, torch.arange(pool.shape[-1]).expand_as(order))
+        within |= mine & (ranks < quotas[..., code : code + 1])
+    # two tiers by rank over the whole layer: in-share entries above every surplus entry
+    flat = scores.float().reshape(b, -1)
+    order = torch.argsort(flat, dim=-1, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(flat.shape[-1]).expand_as(order))
+    tiered = ranks.double() + within.reshape(b, -1).double() * flat.shape[-1]
+    tiered = torch.where(torch.isneginf(flat), torch.full_like(tiered, float("-inf")), tiered)
+    return tiered.reshape(b, h, length).float()
+
+
 @dataclass
 class _Pattern(Scorer):
     """One layer's pattern at scoring time: it sees only the most recent queries it asked for
-    (the layer remembers the most any of its patterns needs, in ring order)."""
+    (the layer remembers the most any of its patterns needs, in ring order); with modality
+    shares it ranks each modality's surplus below the entries within their shares."""
 
     inner: Scorer = None
+    modality: dict[str, float] | None = None
+    per_head: bool = True
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -87,7 +163,22 @@ class _Pattern(Scorer):
             latest = torch.topk(pos, want).indices
             ctx = dataclasses.replace(ctx, window_queries=ctx.window_queries.index_select(2, latest),
                                       window_positions=pos.index_select(0, latest))
-        return self.inner.score(ctx)
+        scores = self.inner.score(ctx)
+        if self.modality is None:
+            return scores
+        if ctx.view.modality is None:
+            raise RuntimeError("modality shares need the entries' modality in the scoring view")
+        # the entries the evictor will protect (sinks, recent window) are kept whatever their
+        # modality: they count in their modality's share first
+        view = ctx.view
+        first = view.positions.masked_fill(~view.valid, torch.iinfo(view.positions.dtype).max).flatten(1).min(1).values
+        pairs = [protected_counts(self.inner, int(c)) for c in ctx.capacity.tolist()]
+        sinks = torch.tensor([p[0] for p in pairs], device=first.device)
+        windows = torch.tensor([p[1] for p in pairs], device=first.device)
+        protected = (view.positions - first.view(-1, 1, 1)) < sinks.view(-1, 1, 1)
+        protected |= view.positions >= (ctx.seen - windows).view(-1, 1, 1)
+        scores = torch.where(protected & view.valid, torch.full_like(scores.float(), float("inf")), scores.float())
+        return split_by_modality(scores, view.modality, view.valid, self.modality, ctx.capacity, self.per_head)
 
 
 class _LayerObserver(Scorer):
@@ -159,11 +250,6 @@ class PolyKV(Scorer):
                              "(calibrate one with `vlm-kv calibrate`)")
         self.strategy.validate()
         self.num_layers = self.strategy.num_layers
-        for entry in self.strategy.layers.values():
-            for e in entry:
-                if e.modality is not None:
-                    raise NotImplementedError(
-                        "this strategy has per-modality shares; applying them inside a layer is not implemented yet")
         # one scorer instance per (layer, pattern): a pattern used in both phases observes once
         self.scoring: dict[str, list[Scorer]] = {}
         per_layer: list[dict[str, Scorer]] = [{} for _ in range(self.num_layers)]
@@ -172,7 +258,9 @@ class PolyKV(Scorer):
             for i, entry in enumerate(self.strategy.phase(phase)):
                 if entry.pattern not in per_layer[i]:
                     per_layer[i][entry.pattern] = policy_spec(entry.pattern).scorer()
-                row.append(_Pattern(inner=per_layer[i][entry.pattern]))
+                spec = policy_spec(entry.pattern)
+                per_head = not isinstance(spec.allocation(), HeadAdaptive)
+                row.append(_Pattern(inner=per_layer[i][entry.pattern], modality=entry.modality, per_head=per_head))
             self.scoring[phase] = row
         self.observers = [_LayerObserver(list(d.values())) for d in per_layer]
         self._state_names = tuple(dict.fromkeys(n for o in self.observers for n in o.state_names))

@@ -1,0 +1,58 @@
+"""Collect the tier sweeps (docs/tiers/<run>/sweep_fidelity.json) into one CSV and a Markdown table.
+
+    python scripts/tiers_table.py docs/tiers > docs/tiers/table.md
+
+Each run folder is one ``vlm-kv sweep --task fidelity`` output; its settings say the dtype (model
+name) and the cache options (tiers, int2_share, key_rope). Writes ``<folder>/fidelity_pg84.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+COLUMNS = ["dtype", "tiers", "int2_share", "key_rope", "policy", "budget", "kl", "top1", "nll", "full_nll",
+           "held_fraction", "max_kv_bytes", "full_kv_bytes", "decode_ms_per_token", "run"]
+
+
+def rows(folder: Path) -> list[dict]:
+    out = []
+    for path in sorted(folder.glob("*/sweep_fidelity.json")):
+        state = json.loads(path.read_text())
+        settings = state["settings"]
+        dtype = "bfloat16" if "bfloat16" in settings["model"] else "float32"
+        kw = settings.get("cache_kwargs") or {}
+        for r in state["rows"]:
+            if r.get("error"):
+                continue
+            tiered = kw.get("tiers") or ("int2" if r["policy"] in ("qevict", "kivi2") else "")
+            out.append({
+                "dtype": dtype, "tiers": tiered or "none",
+                "int2_share": kw.get("int2_share", 0.7 if tiered and r["policy"] != "kivi2" else ""),
+                "key_rope": kw.get("key_rope", "post") if tiered else "",
+                "policy": r["policy"], "budget": r["budget"], "kl": r["kl"], "top1": r["top1"], "nll": r["nll"],
+                "full_nll": r["full_nll"], "held_fraction": r["max_kv_bytes"] / r["full_kv_bytes"],
+                "max_kv_bytes": r["max_kv_bytes"], "full_kv_bytes": r["full_kv_bytes"],
+                "decode_ms_per_token": r["decode_ms_per_token"], "run": path.parent.name,
+            })
+    return sorted(out, key=lambda r: (r["dtype"], float(r["budget"]), r["kl"]))
+
+
+def main(folder: str) -> None:
+    root = Path(folder)
+    table = rows(root)
+    with open(root / "fidelity_pg84.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    print("| dtype | budget | policy | tiers | q | keys | KV held (max) | KL | top-1 | NLL (full) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        print(f"| {r['dtype']} | {r['budget']} | {r['policy']} | {r['tiers']} | {r['int2_share']} | {r['key_rope']} | "
+              f"{r['held_fraction']:.3f} | {r['kl']:.4f} | {r['top1']:.3f} | {r['nll']:.4f} ({r['full_nll']:.4f}) |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/tiers")
