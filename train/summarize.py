@@ -34,9 +34,9 @@ def training_summary(run_dir: str) -> dict:
         "train_seconds": round(sum(ln["sec"] for ln in lines), 1),
         "sec_per_step": round(sum(ln["sec"] for ln in lines) / len(lines), 2),
         "cap_nonzero_steps": sum(c > 0 for c in caps),
-        "cap_mean": sum(caps) / len(caps),
-        "live_end": sum(ln["live"] for ln in last) / len(last),       # mean over the last 10 steps
-        "kl_train_end": sum(ln["kl"] for ln in last) / len(last),
+        "cap_mean": round(sum(caps) / len(caps), 4),
+        "live_end": round(sum(ln["live"] for ln in last) / len(last), 4),       # mean over the last 10 steps
+        "kl_train_end": round(sum(ln["kl"] for ln in last) / len(last), 4),
     }
     cfg_path = os.path.join(run_dir, "gate_config.json")
     if os.path.isfile(cfg_path):
