@@ -221,3 +221,28 @@ def test_export_checkpoint_of_a_stopped_run(tmp_path):
     for a, b in zip(res["gates"].state_dict().values(), loaded.state_dict().values()):
         torch.testing.assert_close(a.half().float(), b)
     assert gates.config.width == 16
+
+
+def test_loop_capacity_target_follows_each_steps_sampled_budget(tmp_path, monkeypatch):
+    """The loop hands capacity_loss M = (the step's sampled fraction) x (the sequence's valid length)."""
+    import vlm_kv.train.loop as loop
+
+    seen = []
+    real = loop.capacity_loss
+
+    def recording(log_betas, budget, global_budget, valid=None, **kw):
+        seen.append((torch.as_tensor(budget).clone(), valid.sum(-1).clone(), global_budget))
+        return real(log_betas, budget, global_budget, valid=valid, **kw)
+
+    monkeypatch.setattr(loop, "capacity_loss", recording)
+    model, proc, text = _text_setup(tmp_path)
+    cfg = _cfg(model, proc, text, tmp_path / "a", budget_tokens=None, budget_range=(0.05, 0.5), steps=3,
+               max_length=48, seed=2)
+    train_gates(cfg)
+    assert len(seen) == 3
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    for step, ((m, n_valid, global_budget), line) in enumerate(zip(seen, lines)):
+        fraction = loop.sampled_budget(cfg, step)
+        assert line["budget"] == fraction and global_budget is True
+        torch.testing.assert_close(m, fraction * n_valid.float())
+    assert len({round(float(m[0]), 6) for m, _, _ in seen}) == 3  # a new target every step
