@@ -3,7 +3,7 @@
     python scripts/tiers_table.py docs/tiers > docs/tiers/table.md
 
 Each run folder is one ``vlm-kv sweep --task fidelity`` output; its settings say the dtype (model
-name) and the cache options (tiers, int2_share, key_rope). Writes ``<folder>/fidelity_pg84.csv``.
+name) and the cache options (tiers, int2_share, key_rope). Writes ``<folder>/fidelity_pg84.csv`` and ``<folder>/kl_vs_bytes_bf16.png``.
 """
 
 from __future__ import annotations
@@ -40,9 +40,38 @@ def rows(folder: Path) -> list[dict]:
     return sorted(out, key=lambda r: (r["dtype"], float(r["budget"]), r["kl"]))
 
 
+def plot(table: list[dict], path: Path) -> None:
+    """KL against bytes held, bf16, one line per (policy, tiers) at the default q and post-RoPE keys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list] = {}
+    for r in table:
+        if r["dtype"] != "bfloat16" or r["key_rope"] == "pre" or r["int2_share"] not in ("", 0.7):
+            continue
+        label = f"{r['policy']} + INT2 tiers" if r["tiers"] == "int2" and r["policy"] not in ("qevict", "kivi2") \
+            else r["policy"]
+        lines.setdefault(label, []).append((r["held_fraction"], r["kl"]))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                linestyle="-" if "tiers" in label or label == "qevict" else "--")
+    ax.set(xlabel="KV bytes held / full cache (bf16)", ylabel="KL(full || compressed)", yscale="log",
+           title="SmolLM2-135M, pg84, 2048 + 128 tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(folder: str) -> None:
     root = Path(folder)
     table = rows(root)
+    plot(table, root / "kl_vs_bytes_bf16.png")
     with open(root / "fidelity_pg84.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
