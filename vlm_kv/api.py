@@ -15,7 +15,7 @@ from vlm_kv.gates.io import check_fits, load_gates
 from vlm_kv.gates.retention_gate import RetentionGates
 from vlm_kv.hooks import attach
 from vlm_kv.models.adapters import get_adapter
-from vlm_kv.policies import FULL_POLICY, build_policy, normalize_policy_name, policy_spec
+from vlm_kv.policies import FULL_POLICY, POLICIES, build_policy, normalize_policy_name, policy_spec
 from vlm_kv.strategy import Strategy
 from vlm_kv.tier_router import TierConfig
 
@@ -140,10 +140,10 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
             raise ValueError("int2_share=, window= and key_rope= configure the INT2 tier: pass tiers='int2' too")
         return None
     if not spec.tierable:
+        usable = ", ".join(name for name, s in POLICIES.items() if s.tierable and s.default_tiers is None)
         raise ValueError(
             f"policy {key!r} cannot route windows to tiers (its scores do not rank windows under a byte "
-            "budget); tiers work with streaming_llm, h2o, tova, snapkv, pyramidkv, adakv, knorm, random, rkv, "
-            "trimkv and dbtrimkv"
+            f"budget); tiers work with {usable}"
         )
     if getattr(alloc, "modality_floor", None) or getattr(alloc, "modality_cap", None) or getattr(alloc, "min_per_head", 0):
         raise ValueError("modality floors/caps and min_per_head of the global allocation are not applied by the tier "

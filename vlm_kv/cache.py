@@ -32,7 +32,7 @@ from vlm_kv.models.adapters import ModelAdapter
 from vlm_kv.policies.base import Scorer
 from vlm_kv.int2_tier import Int2Tier
 from vlm_kv.storage import VarlenKVStore, tensor_bytes
-from vlm_kv.tier_router import TierConfig, TierRouter
+from vlm_kv.tier_router import TierConfig, TierRouter, merge_views
 
 __all__ = ["CacheMisuseError", "CompressedCache", "CompressedLayer"]
 
@@ -122,8 +122,6 @@ class CompressedLayer(CacheLayerMixin):
     def _attend_tiered(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float | None,
                        scorer: Scorer) -> torch.Tensor:
         """One softmax over the FP entries and the dequantized INT2 windows; scorers observe both."""
-        from vlm_kv.tier_router import merge_views
-
         if (query.shape[2] == 1 and self.cache.use_triton_decode(query) and self.store.tail_all_valid
                 and self.tier.windows_full and not scorer.observes):
             return self._attend_tiered_triton(query, scaling)

@@ -224,19 +224,14 @@ class Int2Tier:
         dtype = dtype or self.dtype
         layout = self._layout()
         idx = layout["idx"]
-        picked = QuantizedWindows(self.codes.key_codes[idx], self.codes.key_scale[idx], self.codes.key_zero[idx],
-                                  self.codes.value_codes[idx], self.codes.value_scale[idx], self.codes.value_zero[idx]) \
-            if with_values else None
-        if with_values:
-            keys, values = picked.dequantize(torch.float32)
-            values = self._lay(layout, values, 0, dtype)
-        else:
-            keys = dequantize_keys(self.codes.key_codes[idx], self.codes.key_scale[idx], self.codes.key_zero[idx])
-            values = None
+        c = self.codes
+        keys = dequantize_keys(c.key_codes[idx], c.key_scale[idx], c.key_zero[idx])
         if self.rope is not None:
             keys = self.rope.rotate(keys, self.positions[idx])
         keys = self._lay(layout, keys, 0, dtype)
-        if values is None:
+        if with_values:
+            values = self._lay(layout, dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]), 0, dtype)
+        else:
             values = keys[..., :0]
         view = PaddedView(
             keys=keys, values=values, positions=layout["positions"], modality=layout["modality"], valid=layout["valid"],

@@ -129,6 +129,17 @@ def reduce_windows(scores: torch.Tensor, flat_window: torch.Tensor, size: int, h
     raise ValueError(f"unknown window reduction {how!r}")
 
 
+def _row_groups(mode: str, layer: int, B: int, H: int, device: torch.device) -> torch.Tensor:
+    """[B * H] the ranking group of each (batch, kv head) row of one layer: the whole sequence
+    ("global"), the (layer, batch) pair ("layer", AdaKV) or the row itself ("row")."""
+    rows = torch.arange(B * H, device=device)
+    if mode == "global":
+        return rows // H
+    if mode == "layer":
+        return layer * B + rows // H
+    return layer * B * H + rows
+
+
 @dataclass
 class _LayerRouting:
     """One layer's entries and windows at a routing event."""
@@ -174,7 +185,7 @@ class TierRouter:
     # ------------------------------------------------------------------ decisions
     def _decide(self, layers, routings, allocation, scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer: [B, H, Wn] decisions (FP / INT2 / EVICT) and [B, H] fallback rows."""
-        cfg, w = self.config, self.config.window
+        w = self.config.window
         mode = "global" if allocation.is_global else "layer" if isinstance(allocation, HeadAdaptive) else "row"
         device = routings[0].scores.device
         B, H = routings[0].scores.shape[:2]
@@ -191,7 +202,7 @@ class TierRouter:
             count = torch.zeros(size + 1, dtype=torch.long, device=device).index_add_(0, flat.reshape(-1), r.valid.reshape(-1).long())[:size]
             pinned = r.valid & ((r.scores == float("inf")) | ((wid + 1) * w > seen))
             forced = torch.zeros(size + 1, dtype=torch.bool, device=device).index_put_((flat[pinned],), torch.tensor(True, device=device))[:size]
-            reduce = getattr(scorer.for_layer(layer.layer_idx), "window_reduce", "sum")
+            reduce = scorer.for_layer(layer.layer_idx).window_reduce
             score = reduce_windows(r.scores.masked_fill(~r.valid, float("-inf")).reshape(-1), flat.reshape(-1).clamp(max=size - 1), size, reduce)
             ledger = torch.zeros(size, dtype=torch.bool, device=device)
             if len(layer.tier):
@@ -199,24 +210,15 @@ class TierRouter:
             exists = count > 0
             fp_cost = count * b_tok + ledger.long() * b_q
             ids = torch.nonzero(exists).flatten()
-            rows_of = ids // Wn
-            b_of, h_of = rows_of // H, rows_of % H
-            if mode == "global":
-                group = b_of
-            elif mode == "layer":
-                group = li * B + b_of
-            else:
-                group = (li * B + b_of) * H + h_of
-            table["group"].append(group)
+            groups_of_rows = _row_groups(mode, li, B, H, device)
+            row_group.append(groups_of_rows)
+            table["group"].append(groups_of_rows[ids // Wn])
             table["score"].append(score[ids])
             table["fp_cost"].append(fp_cost[ids])
             table["forced"].append(forced[ids])
             table["layer"].append(torch.full_like(ids, li))
             table["index"].append(ids)
-            caps = r.cap.view(B, 1).expand(B, H).reshape(-1) * b_tok
-            row_bytes.append(caps)
-            rb = torch.arange(B * H, device=device)
-            row_group.append(rb // H if mode == "global" else li * B + rb // H if mode == "layer" else li * B * H + rb)
+            row_bytes.append(r.cap.view(B, 1).expand(B, H).reshape(-1) * b_tok)
         t = {k: torch.cat(v) for k, v in table.items()}
         groups = int(torch.cat(row_group).max()) + 1
         budget = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, torch.cat(row_group), torch.cat(row_bytes))
@@ -253,10 +255,9 @@ class TierRouter:
         n = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, torch.ones_like(g))
         start = torch.cumsum(n, 0) - n
         rank = torch.arange(g.numel(), device=g.device) - start[g]
-        total = torch.cumsum(c, 0)
-        before_group = (total - c)[start.clamp(max=max(g.numel() - 1, 0))]  # cumulative cost before each group
-        cum = total - before_group[g]                                      # inclusive prefix cost within the group
         group_cost = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, c)
+        # inclusive prefix cost within each group (the order is by group, then by rank)
+        cum = torch.cumsum(c, 0) - (torch.cumsum(group_cost, 0) - group_cost)[g]
         room = free[g].double()
         all_fp = (group_cost <= free)[g]
         # rule 2: the most FP windows with every other window fitting as INT2
