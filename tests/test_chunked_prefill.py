@@ -30,7 +30,9 @@ def test_chunked_prefill_peak_is_about_budget_plus_chunk():
     chunked = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, prefill_chunk=40, scorer_kwargs={"window": 4})
     model(input_ids=ids, cache=chunked)
     per_token = whole.full_kv_bytes() // 400
-    assert whole.peak_kv_bytes == whole.full_kv_bytes()
+    # unchunked, each layer is evicted right after its attention: one full layer on top of the budget
+    layer_bytes = whole.full_kv_bytes() // whole.num_layers
+    assert whole.peak_kv_bytes <= whole.budget_bytes() + layer_bytes < whole.full_kv_bytes()
     # at most the budget for the tokens before the last chunk, plus the chunk itself
     assert chunked.peak_kv_bytes <= (int(0.1 * 360) + 40) * per_token
     assert chunked.kv_bytes()["total"] <= chunked.budget_bytes()

@@ -117,6 +117,8 @@ class CompressedLayer(CacheLayerMixin):
             out = attention.varlen_attention(query, view, query_positions, scaling, dense)
             scorer.observe(store, query, view, query_positions, scaling)
         self._remember_queries(query, query_positions)
+        if q > 1:
+            self.cache.after_prefill_attention(self)
         return out
 
     def _attend_tiered(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float | None,
@@ -307,6 +309,8 @@ class CompressedCache(Cache):
         self.peak_kv_bytes = 0     # most held at any forward's end (just before its eviction step)
         self.evict_seconds = 0.0   # wall time spent in eviction steps
         self.chunked_prefills = 0
+        self._layerwise = None       # the prefill's layer-by-layer eviction step in flight
+        self._fresh_forward = False  # this forward started on an empty cache
         # called with the cache after every eviction step (diagnostics, recorders)
         self.eviction_listeners: list[Callable[["CompressedCache"], None]] = []
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.num_layers)])
@@ -360,7 +364,28 @@ class CompressedCache(Cache):
         """Before each forward (the model pre-hook): what only the model inputs know."""
         self.gate_stash.clear()
         self.ledger.announce(input_ids, attention_mask, q_len)
+        self._layerwise = None
+        self._fresh_forward = all(layer.seen == 0 for layer in self.layers)
         attention.begin_forward()
+
+    def after_prefill_attention(self, layer: CompressedLayer) -> None:
+        """A layer attended over several new tokens: on an empty cache, evict from it now rather
+        than at the end of the forward, so the prompt's keys and values never fill every layer.
+
+        Only a forward that started on an empty cache does this: if it fails in a later layer,
+        undoing it means emptying the cache, and nothing held before is lost. A tiered cache
+        routes at the end of the forward."""
+        if not self._fresh_forward or self.router is not None:
+            return
+        start = time.perf_counter()
+        if self._layerwise is None:
+            self._layerwise = self.evictor.begin_layerwise(self.ledger, self.num_layers)
+            if self._layerwise is None:
+                self._fresh_forward = False  # not splittable by layer: the end-of-forward step does it all
+                return
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(report.layer_kv_bytes(l) for l in self.layers))
+        self.evictor.evict_layer(self._layerwise, layer, self.ledger)
+        self.evict_seconds += time.perf_counter() - start
 
     def end_forward(self) -> None:
         """After each forward (the model post-hook): check hand-offs, then evict if it is time."""
@@ -380,6 +405,11 @@ class CompressedCache(Cache):
         attention.end_forward_quietly()
         self.gate_stash.clear()
         self.ledger.abort_forward()
+        self._layerwise = None
+        if self._fresh_forward:  # it started empty (and may have evicted layer by layer): empty it again
+            for layer in self.layers:
+                layer.reset()
+            return
         for layer in self.layers:
             extra = layer.seen - self.ledger.seen
             if layer.store is not None and extra > 0:
@@ -406,8 +436,11 @@ class CompressedCache(Cache):
         if not layers or self.ledger.valid_tokens is None:
             return
         start = time.perf_counter()
+        step, self._layerwise = self._layerwise, None
         if self.router is not None:
             self.router.route(self.evictor, layers, self.ledger)
+        elif step is not None:
+            self.evictor.finish_layerwise(step, layers, self.ledger)
         else:
             self.evictor.evict(layers, self.ledger)
         self.evict_seconds += time.perf_counter() - start

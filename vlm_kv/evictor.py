@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from vlm_kv.allocation import Allocation
+from vlm_kv.allocation import Allocation, GlobalTopK
 from vlm_kv.budget import Budget
 from vlm_kv.ledger import TokenLedger
 from vlm_kv.policies.base import ScoreContext, Scorer, protect, protected_counts
@@ -93,6 +93,15 @@ class Evictor:
         self.eviction_steps += 1
         self.evicted_entries += entries_before - entries_after
 
+    def keep_layer(self, scorer: Scorer, step_allocation: Allocation, layer, caps: torch.Tensor,
+                   ledger: TokenLedger, num_layers: int) -> torch.Tensor:
+        """Keep mask of one layer under a per-layer (not global) allocation."""
+        allocation = step_allocation.for_layer(layer.layer_idx)
+        window = int(self.protected(caps, scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
+        cap_layer = allocation.layer_capacity(layer.layer_idx, num_layers, caps, window)
+        view = layer.store.padded_view(with_values=False, states=self.scorer.state_names)
+        return allocation.keep_layer(self.layer_scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer)
+
     @torch.no_grad()
     def evict(self, layers: Sequence, ledger: TokenLedger) -> None:
         """One eviction step over every layer; afterwards the cache holds at most its budget."""
@@ -108,13 +117,88 @@ class Evictor:
                 modality.append(view.modality)
             keeps = step_allocation.keep_all(scores, caps, modality)
         else:
-            keeps = []
-            for layer in layers:
-                allocation = step_allocation.for_layer(layer.layer_idx)
-                window = int(self.protected(caps, scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
-                cap_layer = allocation.layer_capacity(layer.layer_idx, num_layers, caps, window)
-                view = layer.store.padded_view(with_values=False, states=states)
-                keeps.append(allocation.keep_layer(self.layer_scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer))
+            keeps = [self.keep_layer(scorer, step_allocation, layer, caps, ledger, num_layers) for layer in layers]
         for layer, keep in zip(layers, keeps):
             layer.store.compact(keep)
         self.end_step(before, sum(layer.store.num_entries() for layer in layers))
+
+    # ------------------------------------------------------------ layer by layer, during a prefill
+    def begin_layerwise(self, ledger: TokenLedger, num_layers: int) -> "LayerwiseStep | None":
+        """A prefill's eviction step taken layer by layer (right after each layer's attention),
+        or None where this step cannot be split by layer (global allocations with floors or
+        caps, threshold allocations)."""
+        self.phase = "prefill"
+        caps, scorer, step_allocation = self.begin_step(ledger)
+        if step_allocation.is_global:
+            plain = (isinstance(step_allocation, GlobalTopK) and not step_allocation.min_per_head
+                     and not step_allocation.modality_floor and not step_allocation.modality_cap)
+            if not plain:
+                return None
+        return LayerwiseStep(caps, scorer, step_allocation, num_layers)
+
+    @torch.no_grad()
+    def evict_layer(self, step: "LayerwiseStep", layer, ledger: TokenLedger) -> None:
+        """Evict from one layer what the step will not keep, as soon as its attention has run."""
+        entries = layer.store.num_entries()
+        if step.allocation.is_global:
+            view = layer.store.padded_view(with_values=False, states=self.scorer.state_names)
+            scores = self.layer_scores(step.scorer, layer, view, step.caps, ledger, step.num_layers)
+            keep = step.never_dropped(scores, step.caps * (step.num_layers * scores.shape[1]))
+            step.dropped += entries - int(keep.sum())
+        else:
+            keep = self.keep_layer(step.scorer, step.allocation, layer, step.caps, ledger, step.num_layers)
+            step.done[layer.layer_idx] = entries
+        layer.store.compact(keep)
+
+    @torch.no_grad()
+    def finish_layerwise(self, step: "LayerwiseStep", layers: Sequence, ledger: TokenLedger) -> None:
+        """End of the prefill: a global step now chooses exactly among what is left; a per-layer
+        step evicts the layers that did not attend (if any) and closes the step."""
+        if step.allocation.is_global:
+            self.evict(layers, ledger)
+            self.evicted_entries += step.dropped
+            return
+        before = 0
+        for layer in layers:
+            if layer.layer_idx in step.done:
+                before += step.done[layer.layer_idx]
+            else:
+                before += layer.store.num_entries()
+                layer.store.compact(self.keep_layer(step.scorer, step.allocation, layer, step.caps, ledger, step.num_layers))
+        self.end_step(before, sum(layer.store.num_entries() for layer in layers))
+
+
+class LayerwiseStep:
+    """A prefill's eviction step, taken one layer at a time so that the prompt's full keys and
+    values never sit in every layer at once: peak KV during a prefill is the budget plus about
+    one layer, not the whole prompt.
+
+    A per-layer allocation decides each layer from its own scores, so evicting a layer right
+    after its attention keeps exactly what the end-of-forward step would. A global top-k of
+    ``K`` entries cannot decide before it has seen every layer, but it can drop what will never
+    make it: an entry scoring below the K-th best score seen so far stays below the K-th best
+    over all layers. Those entries go at once; the end-of-forward step then takes the exact
+    global choice among what is left (the same choice, since nothing it would keep was dropped).
+    """
+
+    def __init__(self, caps: torch.Tensor, scorer: Scorer, allocation: Allocation, num_layers: int) -> None:
+        self.caps, self.scorer, self.allocation, self.num_layers = caps, scorer, allocation, num_layers
+        self.done: dict[int, int] = {}          # layer -> entries it held before its eviction
+        self.dropped = 0                        # entries a global step dropped early
+        self._best: torch.Tensor | None = None  # [B, <= max K] best scores seen so far, descending
+
+    def never_dropped(self, scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Mask of the entries of ``scores`` ([B, H, L]) that may still be among the ``k[b]`` best of
+        sequence ``b`` once every layer is scored: those >= the k-th best score seen so far."""
+        b = scores.shape[0]
+        flat = scores.reshape(b, -1)
+        pool = flat if self._best is None else torch.cat([self._best, flat], dim=1)
+        ordered = pool.sort(dim=1, descending=True).values
+        kmax = int(k.max()) if k.numel() else 0
+        self._best = ordered[:, :kmax]
+        index = (k - 1).clamp(min=0, max=ordered.shape[1] - 1).view(b, 1)
+        kth = ordered.gather(1, index).view(b)
+        enough = (k >= 1) & (k <= ordered.shape[1])
+        threshold = torch.where(enough, kth, torch.full_like(kth, float("-inf")))
+        threshold = torch.where(k < 1, torch.full_like(kth, float("inf")), threshold)
+        return (scores >= threshold.view(b, 1, 1)) & (scores > float("-inf"))

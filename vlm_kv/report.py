@@ -55,7 +55,7 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     """Bytes allocated: ``total`` (keys and values, per layer / modality / tier), and ``held``
     (total + metadata + query_window + gate_stash). ``unused`` is the part of ``total`` that is
     spare tail capacity (at most ``evict_every`` tokens per head, released at each eviction step)."""
-    per_layer = [_layer_bytes(layer) for layer in cache.layers]
+    per_layer = [layer_kv_bytes(layer) for layer in cache.layers]
     total = sum(per_layer)
     metadata = sum(store.meta_bytes() for store in _stores(cache)) + sum(t.meta_bytes() for t in _tiers(cache))
     query_window = sum(layer.query_window_bytes() for layer in cache.layers)
@@ -73,7 +73,8 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     }
 
 
-def _layer_bytes(layer) -> int:
+def layer_kv_bytes(layer) -> int:
+    """Key/value bytes one layer holds, over its tiers."""
     if layer.store is None:
         return 0
     tier = getattr(layer, "tier", None)
