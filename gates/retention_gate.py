@@ -90,7 +90,18 @@ class RetentionGates(nn.Module):
 
     def log_beta(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, d] -> log beta [B, H, T] in float32."""
-        return F.logsigmoid(self.logits(layer_idx, hidden).float()).transpose(1, 2)
+        if torch.is_grad_enabled():
+            return F.logsigmoid(self.logits(layer_idx, hidden).float()).transpose(1, 2)
+        # Inference runs this once per layer per decode step: the same arithmetic as ``logits``,
+        # with the functional ops called directly (module dispatch was ~half of its cost).
+        x = hidden
+        for module in self.trunks[layer_idx].net:
+            x = F.linear(x.to(module.weight.dtype), module.weight, module.bias) if isinstance(module, nn.Linear) else F.silu(x)
+        if self.shared:
+            logits = F.linear(x, self.head.weight) + self.bias
+        else:
+            logits = F.linear(x, self.heads[layer_idx].weight) + self.biases[layer_idx]
+        return F.logsigmoid(logits.float()).transpose(1, 2)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

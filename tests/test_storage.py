@@ -70,3 +70,29 @@ def test_add_state_accumulates_on_body_and_tail():
     store.add_state("s", torch.ones_like(v.state["s"]))
     v = store.padded_view(states=("s",))
     assert torch.equal(v.state["s"][v.valid], torch.full((10,), 2.0))
+
+
+def _snapshot(store):
+    view = store.padded_view(states=("s",))
+    return [view.keys, view.values, view.positions, view.modality, view.valid, view.state["s"], store.lengths]
+
+
+def test_uniform_rows_keeping_equal_counts_compact_like_the_general_path(monkeypatch):
+    def build():
+        store = _store()
+        _append(store, 0, 12)
+        store.compact(store.padded_view().positions % 2 == 0)  # 6 per row: a uniform body
+        _append(store, 12, 5)  # body then tail
+        store.add_state("s", torch.arange(2 * 3 * 11, dtype=torch.float32).view(2, 3, 11))
+        return store
+
+    gen = torch.Generator().manual_seed(0)
+    keep = torch.rand(6, 11, generator=gen).argsort(dim=1) < 4  # 4 of 11 per row, different columns
+    fast = build()
+    assert fast.uniform and fast._compact_rows_alike(keep.clone()) is True
+    monkeypatch.setattr(type(fast), "_compact_rows_alike", lambda self, keep: False)
+    general = build()
+    general.compact(keep.view(2, 3, 11))
+    for a, b in zip(_snapshot(fast), _snapshot(general)):
+        assert torch.equal(a, b)
+    assert fast.uniform and fast.tail_size == 0 and fast.kv_bytes() == general.kv_bytes()

@@ -184,15 +184,13 @@ def decode_attention(
         received_body = probs[..., :L].mean(dim=2).reshape(-1) if L else None
         return out, (received_body, probs[..., L:].mean(dim=2))
     outs, body_parts, tail_parts = [], [], []
-    kv_of_query = torch.arange(h, device=query.device).repeat_interleave(g)  # [H*g]
     for i in range(b):
         start, count = store.batch_span(i)
         keys = store.body_keys[start : start + count]
         values = store.body_values[start : start + count]
         qi = q[i].reshape(h * g, d)
-        body_logits = torch.matmul(qi, keys.transpose(0, 1)).float() * scale  # [H*g, n]
-        own = store.entry_head[start : start + count].long()[None, :] == kv_of_query[:, None]
-        body_logits = body_logits.masked_fill(~own, float("-inf"))
+        # [H*g, n]: scaled logits, -inf where an entry belongs to another KV head than the query's
+        body_logits = torch.addmm(store.head_bias(i, g), qi, keys.transpose(0, 1), alpha=scale)
         # the tail is dense per head: its logits sit on the block diagonal of the query heads
         logits = torch.cat([body_logits, tail_logits[i].reshape(h * g, T)], dim=-1)
         probs = torch.softmax(logits, dim=-1)
@@ -282,8 +280,7 @@ def attention_probs(
     logits = torch.matmul(packed, view.keys.float().transpose(-1, -2)) * scale  # [B, H, g*Q, L]
     logits = logits.view(b, h, g, q, view.length)
     mask = attention_mask(view, query_positions)[:, :, None]
-    logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    return torch.softmax(logits.masked_fill_(~mask, float("-inf")), dim=-1)
 
 
 def attention_received(

@@ -126,6 +126,20 @@ class VarlenKVStore:
         # local kv-head index of every body entry (ragged attention masks with it)
         self.entry_head = (self._rows % self.num_kv_heads).to(torch.int16) if not self.uniform else None
         self._body_table = None  # built on first use by a paged kernel
+        self._head_bias: dict[tuple[int, int], torch.Tensor] = {}  # built on first use by ragged decode
+
+    def head_bias(self, b: int, group: int) -> torch.Tensor:
+        """[H * group, n] float32 additive mask for batch row ``b``'s flat body: 0 where an entry
+        belongs to the KV head of the query head, -inf elsewhere. Kept until the next layout
+        change, so decode steps between evictions do not rebuild it."""
+        key = (b, group)
+        if key not in self._head_bias:
+            start, count = self._batch_spans[b]
+            heads = torch.arange(self.num_kv_heads, device=self.device).repeat_interleave(group)
+            own = self.entry_head[start : start + count].long()[None, :] == heads[:, None]
+            zeros = torch.zeros(own.shape, dtype=torch.float32, device=self.device)
+            self._head_bias[key] = zeros.masked_fill_(~own, float("-inf"))
+        return self._head_bias[key]
 
     def body_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The body as a paged store with one-entry blocks: ([rows, max_length] int32 entry index, [rows] int32 lengths)."""
@@ -338,6 +352,20 @@ class VarlenKVStore:
             )
         rows = B * H
         longest = self.max_length + T
+        if self.uniform:  # every row holds the same length: body then tail side by side, no scatter
+            L = self.max_length
+
+            def side(body: torch.Tensor, tail: torch.Tensor, dtype) -> torch.Tensor:
+                body = body.to(dtype).view((B, H, L) + tuple(body.shape[1:]))
+                return torch.cat([body, tail.to(dtype)], dim=2) if T else body
+
+            keys = side(self.body_keys, self.tail_keys, self.dtype)
+            values = side(self.body_values, self.tail_values, self.dtype) if with_values else keys[..., :0]
+            valid = torch.cat([torch.ones(B, H, L, dtype=torch.bool, device=dev), tail_valid], dim=2)
+            positions = side(self.body_positions, tail_pos, torch.long)
+            modality = side(self.body_modality, tail_mod, torch.uint8) if with_modality else valid[..., :0]
+            state = {n: side(self.body_state[n], tail_state[n], torch.float32) for n in states}
+            return PaddedView(keys, values, positions, modality, valid, state)
         tail_cols = self.lengths[:, None] + torch.arange(T, device=dev)[None]
         row_ids = torch.arange(rows, device=dev)[:, None].expand(rows, T)
 
@@ -371,6 +399,8 @@ class VarlenKVStore:
         rows = B * H
         L = keep.shape[-1]
         keep = keep.reshape(rows, L)
+        if insert is None and self.uniform and self.tail_all_valid and self._compact_rows_alike(keep):
+            return
         body_keep = keep[self._rows, self._cols] if self.body_size else keep.new_zeros(0)
         if T:
             tail_cols = self.lengths[:, None] + torch.arange(T, device=self.device)[None]
@@ -416,6 +446,34 @@ class VarlenKVStore:
         self.body_state = {n: merge(states[n]) for n in self.state_names}
         self._set_layout(new_lengths)
         self._release_tail()
+
+    def _compact_rows_alike(self, keep: torch.Tensor) -> bool:
+        """``compact`` when every row holds the same length (no padding) and keeps the same count:
+        each row's body then tail is already in position order, so the kept entries are a gather
+        of the same number of columns per row (no sort). Returns False, doing nothing, otherwise."""
+        rows, width = keep.shape
+        counts = keep.sum(dim=1)
+        n = int(counts[0]) if rows else 0
+        if rows == 0 or bool((counts != n).any()):
+            return False
+        B, H, T, L = self.batch_size, self.num_kv_heads, self.tail_size, self.max_length
+        cols = keep.nonzero()[:, 1].view(rows, n)  # ascending within each row
+
+        def pick(body: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+            extra = tuple(body.shape[1:])
+            whole = torch.cat([body.view((rows, L) + extra), tail.reshape((rows, T) + extra).to(body.dtype)], dim=1)
+            index = cols.view((rows, n) + (1,) * len(extra)).expand((rows, n) + extra)
+            return whole.gather(1, index).reshape((rows * n,) + extra)
+
+        tail_state = self.tail_state
+        self.body_keys = pick(self.body_keys, self.tail_keys)
+        self.body_values = pick(self.body_values, self.tail_values)
+        self.body_positions = pick(self.body_positions, self.tail_positions[None, :].expand(rows, T))
+        self.body_modality = pick(self.body_modality, self.tail_modality[:, None, :].expand(B, H, T))
+        self.body_state = {name: pick(self.body_state[name], tail_state[name]) for name in self.state_names}
+        self._set_layout(torch.full((rows,), n, dtype=torch.long, device=self.device))
+        self._release_tail()
+        return True
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every sequence's entries ``repeats`` times (row b -> rows b*repeats .. b*repeats+repeats-1)."""
