@@ -63,7 +63,7 @@ def test_demo_checks_budget_and_policy_first(capsys, no_model_load):
 def test_bench_json_rows_have_the_documented_keys(capsys, monkeypatch, smollm2):
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
     code = main(["bench", "--contexts", "96", "--policies", "snapkv", "--budgets", "0.5", "--steps", "3",
-                 "--repeats", "1", "--prefill-chunk", "48", "--json"])
+                 "--repeats", "1", "--prefill-chunk", "48", "--json", "--in-process"])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["policy"] for r in rows] == ["full", "snapkv"]
@@ -75,6 +75,18 @@ def test_bench_json_rows_have_the_documented_keys(capsys, monkeypatch, smollm2):
     # chunked prefill holds about budget + chunk, far below the full cache's 96 tokens
     assert snap["peak_kv_bytes_prefill"] < full["peak_kv_bytes_prefill"]
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in rows)
+
+
+def test_bench_runs_each_row_in_its_own_process_by_default(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the parent process must not load the model"))
+    code = main(["bench", "--contexts", "64", "--policies", "h2o", "--budgets", "0.25", "--steps", "2",
+                 "--repeats", "1", "--json"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["policy"], r["context"]) for r in rows] == [("full", 64), ("h2o", 64)]
+    full, h2o = rows
+    assert h2o["peak_kv_bytes_decode"] < full["peak_kv_bytes_decode"]
+    assert all(r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_tier_options_are_checked_before_the_model_loads(shared_data, capsys, no_model_load):

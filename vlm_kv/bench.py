@@ -154,32 +154,77 @@ def run_one(model, ids: torch.Tensor, context: int, steps: int, repeats: int, fa
     )
 
 
+def planned_runs(contexts: list[int], policies: list[str], budgets: list[float]) -> list[tuple[int, str, float | None]]:
+    """(context, policy, budget) of every run, DynamicCache ("full", budget None) first at each context."""
+    runs = []
+    for context in contexts:
+        runs.append((context, "full", None))
+        runs += [(context, policy, budget) for policy in policies for budget in budgets]
+    return runs
+
+
+def warm_up(model) -> None:
+    """One short forward, so that one-time costs (lazy kernel set-up) land in no run's timing."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 16, dtype=torch.long, device=device), use_cache=False)
+
+
+def run_planned(model, ids: torch.Tensor, run: tuple[int, str, float | None], steps: int, repeats: int,
+                prefill_chunk: int | None, strategy: str | None, cache_kwargs: dict | None) -> BenchRow:
+    context, policy, budget = run
+    if policy == "full":
+        return run_one(model, ids, context, steps, repeats, lambda: DynamicCache(config=model.config), "full", None, None)
+    extra = dict(cache_kwargs or {})
+    if strategy and policy == "polykv":
+        extra["strategy"] = strategy
+    factory = lambda: make_cache(model, policy=policy, budget=budget, prefill_chunk=prefill_chunk, **extra)  # noqa: E731
+    return run_one(model, ids, context, steps, repeats, factory, policy, budget, prefill_chunk)
+
+
 def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: list[float],
           text_path: str | None = None, steps: int = 32, repeats: int = 3,
           prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
           cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
-    """DynamicCache and every (policy, budget) at every context; yields one row per run.
-    ``strategy``: the strategy JSON of ``polykv`` (default: the one shipped for the model);
-    ``cache_kwargs`` go to every ``make_cache`` (e.g. ``tiers="int2"``)."""
+    """DynamicCache and every (policy, budget) at every context, in this process; yields one row
+    per run. ``strategy``: the strategy JSON of ``polykv`` (default: the one shipped for the
+    model); ``cache_kwargs`` go to every ``make_cache`` (e.g. ``tiers="int2"``). Peak memory of a
+    run here includes what earlier runs left in the allocator: ``bench_isolated`` avoids that."""
     from tqdm.auto import tqdm
 
     ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
-    runs = []
-    for context in contexts:
-        runs.append((context, "full", None, lambda: DynamicCache(config=model.config)))
-        for policy in policies:
-            for budget in budgets:
-                extra = dict(cache_kwargs or {})
-                if strategy and policy == "polykv":
-                    extra["strategy"] = strategy
-                runs.append((context, policy, budget,
-                             lambda p=policy, b=budget, e=extra: make_cache(model, policy=p, budget=b,
-                                                                            prefill_chunk=prefill_chunk, **e)))
-    bar = tqdm(runs, desc="bench", disable=not progress, leave=False)
-    for context, label, budget, factory in bar:
-        bar.set_postfix_str(f"{label}@{budget if budget is not None else 1} ctx {context}")
-        chunk = prefill_chunk if label != "full" else None
-        yield run_one(model, ids, context, steps, repeats, factory, label, budget, chunk)
+    warm_up(model)
+    bar = tqdm(planned_runs(contexts, policies, budgets), desc="bench", disable=not progress, leave=False)
+    for run in bar:
+        bar.set_postfix_str(f"{run[1]}@{run[2] if run[2] is not None else 1} ctx {run[0]}")
+        yield run_planned(model, ids, run, steps, repeats, prefill_chunk, strategy, cache_kwargs)
+
+
+def bench_isolated(model_name: str, dtype: str, device: str, contexts: list[int], policies: list[str],
+                   budgets: list[float], text_path: str | None = None, steps: int = 32, repeats: int = 3,
+                   prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
+                   cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
+    """``bench`` with every run in a fresh Python process (``python -m vlm_kv.bench_worker``), as a
+    user's process would run it: glibc keeps freed heap, so in one process a run's peak memory
+    depends on what ran before it (measured: +-150 MiB between identical runs at 2048 tokens)."""
+    import json
+    import subprocess
+    import sys
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(planned_runs(contexts, policies, budgets), desc="bench", disable=not progress, leave=False)
+    for run in bar:
+        bar.set_postfix_str(f"{run[1]}@{run[2] if run[2] is not None else 1} ctx {run[0]}")
+        spec = dict(model=model_name, dtype=dtype, device=device, run=list(run), text=text_path, steps=steps,
+                    repeats=repeats, prefill_chunk=prefill_chunk, strategy=strategy, cache_kwargs=cache_kwargs or {})
+        done = subprocess.run([sys.executable, "-m", "vlm_kv.bench_worker", json.dumps(spec)],
+                              capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"bench run {run} failed in its own process (exit {done.returncode}):\n"
+                               + done.stderr[-2000:])
+        yield BenchRow(**json.loads(lines[-1]))
 
 
 def plot_rows(rows: list[BenchRow], path: str) -> None:

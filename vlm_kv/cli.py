@@ -102,7 +102,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from vlm_kv.bench import bench, plot_rows
+    from vlm_kv.bench import bench, bench_isolated, plot_rows
     from vlm_kv.budget import Budget
 
     contexts = _csv(int, args.contexts)
@@ -118,15 +118,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_model(args.model)
     tiers = tier_kwargs(args)
-    if not args.json:
-        print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
-    model, tok = _load(args.model, args.dtype, args.device)
+    if args.in_process:
+        if not args.json:
+            print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
+        model, tok = _load(args.model, args.dtype, args.device)
+        runs = bench(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
+                     args.prefill_chunk, progress=not args.json, strategy=args.strategy, cache_kwargs=tiers)
+    else:
+        runs = bench_isolated(args.model, args.dtype, args.device, contexts, policies, budgets, args.text, args.steps,
+                              args.repeats, args.prefill_chunk, progress=not args.json, strategy=args.strategy,
+                              cache_kwargs=tiers)
     rows = []
     if not args.json:
         print(f"{'cache':>22} {'context':>7} {'prefill s':>9} {'ms/token':>9} {'tok/s':>7} {'evict':>6} "
               f"{'KV prefill MiB':>14} {'KV decode MiB':>13} {'peak mem MiB':>12}")
-    for row in bench(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
-                     args.prefill_chunk, progress=not args.json, strategy=args.strategy, cache_kwargs=tiers):
+    for row in runs:
         rows.append(row)
         if args.json:
             print(json.dumps(row.as_dict()), flush=True)
@@ -263,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s and peak prefill KV vs context")
+    p.add_argument("--in-process", action="store_true",
+                   help="run everything in this process (default: each run in a fresh process, so that peak "
+                        "memory is not inflated by the heap earlier runs left behind)")
     add_tier_args(p)
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.set_defaults(func=cmd_bench)
