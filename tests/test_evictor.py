@@ -92,3 +92,39 @@ def test_a_second_turn_is_evicted_at_the_end_of_its_forward():
     # every layer held the old entries plus the whole new turn when the step ran
     per_token_layer = cache.full_kv_bytes() // 80 // cache.num_layers
     assert cache.peak_kv_bytes >= held + 30 * per_token_layer * cache.num_layers
+
+
+def test_each_chunk_of_a_prompt_is_evicted_layer_by_layer_and_keeps_what_end_of_forward_keeps(monkeypatch):
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(16, 200, (1, 200), generator=torch.Generator().manual_seed(4))
+    chunked = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, prefill_chunk=50, scorer_kwargs={"window": 4})
+    logits = model(input_ids=ids, cache=chunked).logits
+    full_layer_chunk = chunked.full_kv_bytes() // chunked.num_layers * 50 // 200
+    # later chunks too: the budget so far plus one layer's chunk, not every layer's chunk
+    assert chunked.peak_kv_bytes <= chunked.budget_bytes() + full_layer_chunk
+    monkeypatch.setattr(CompressedCache, "after_prefill_attention", lambda self, layer: None)
+    at_end = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, prefill_chunk=50, scorer_kwargs={"window": 4})
+    assert torch.equal(model(input_ids=ids, cache=at_end).logits, logits)
+    for a, b in zip(chunked.layers, at_end.layers):
+        assert torch.equal(a.held_positions()[0], b.held_positions()[0])
+
+
+def test_a_failure_in_a_later_chunk_empties_the_cache_the_call_started_with():
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(5))
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, prefill_chunk=40, scorer_kwargs={"window": 4})
+    calls = []
+
+    def fail_on_third_chunk(*args):
+        calls.append(1)
+        if len(calls) == 3 * 3:  # layer 2 of the third chunk (three attention calls per chunk)
+            raise RuntimeError("boom")
+
+    handles = [layer.self_attn.register_forward_pre_hook(fail_on_third_chunk) for layer in model.model.layers]
+    with pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=ids, cache=cache)
+    for handle in handles:
+        handle.remove()
+    assert cache.get_seq_length() == 0 and cache.num_entries() == 0
+    ref = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, prefill_chunk=40, scorer_kwargs={"window": 4})
+    torch.testing.assert_close(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)

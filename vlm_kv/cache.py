@@ -310,7 +310,9 @@ class CompressedCache(Cache):
         self.evict_seconds = 0.0   # wall time spent in eviction steps
         self.chunked_prefills = 0
         self._layerwise = None       # the prefill's layer-by-layer eviction step in flight
-        self._fresh_forward = False  # this forward started on an empty cache
+        self._fresh_forward = False  # the user's call this forward belongs to started on an empty cache
+        self.call_started_empty: bool | None = None  # set by the model pre-hook for every user call
+        self.in_chunk_loop = False   # the pre-hook is feeding a long prompt's chunks
         # called with the cache after every eviction step (diagnostics, recorders)
         self.eviction_listeners: list[Callable[["CompressedCache"], None]] = []
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.num_layers)])
@@ -365,16 +367,21 @@ class CompressedCache(Cache):
         self.gate_stash.clear()
         self.ledger.announce(input_ids, attention_mask, q_len)
         self._layerwise = None
-        self._fresh_forward = all(layer.seen == 0 for layer in self.layers)
+        self._fresh_forward = self.call_started_empty if self.call_started_empty is not None else self.is_empty()
         attention.begin_forward()
 
-    def after_prefill_attention(self, layer: CompressedLayer) -> None:
-        """A layer attended over several new tokens: on an empty cache, evict from it now rather
-        than at the end of the forward, so the prompt's keys and values never fill every layer.
+    def is_empty(self) -> bool:
+        """No layer has seen a token yet."""
+        return all(layer.seen == 0 for layer in self.layers)
 
-        Only a forward that started on an empty cache does this: if it fails in a later layer,
-        undoing it means emptying the cache, and nothing held before is lost. A tiered cache
-        routes at the end of the forward."""
+    def after_prefill_attention(self, layer: CompressedLayer) -> None:
+        """A layer attended over several new tokens: evict from it now rather than at the end of
+        the forward, so the prompt's keys and values never fill every layer.
+
+        Only a call that started on an empty cache does this (a prompt, or each chunk of a prompt
+        fed in chunks): if it fails half-way, undoing it means emptying the cache, and nothing
+        held before the call is lost. A new turn on a non-empty cache, and a tiered cache, evict
+        at the end of the forward."""
         if not self._fresh_forward or self.router is not None:
             return
         start = time.perf_counter()
@@ -406,9 +413,10 @@ class CompressedCache(Cache):
         self.gate_stash.clear()
         self.ledger.abort_forward()
         self._layerwise = None
-        if self._fresh_forward:  # it started empty (and may have evicted layer by layer): empty it again
+        if self._fresh_forward:  # the call started empty (and may have evicted layer by layer): empty it again
             for layer in self.layers:
                 layer.reset()
+            self.ledger.reset()  # earlier chunks of the call counted their tokens there
             return
         for layer in self.layers:
             extra = layer.seen - self.ledger.seen

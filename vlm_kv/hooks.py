@@ -85,6 +85,8 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict):
             "cache would be bypassed; call vlm_kv.make_cache (or vlm_kv.attach) on the model again"
         )
     input_ids, q_len = _query_length(args, kwargs)
+    if not cache.in_chunk_loop:  # a user's call (not one of the chunks this hook feeds)
+        cache.call_started_empty = cache.is_empty()
     chunk = cache.prefill_chunk
     if chunk is not None and q_len is not None and q_len > chunk and not any(
         kwargs.get(name) is not None for name in _VISION_INPUTS
@@ -93,11 +95,15 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict):
             kwargs = dict(kwargs, input_ids=args[0])
             args = ()
         last = ((q_len - 1) // chunk) * chunk
-        for start in range(0, last, chunk):
-            piece = _slice_inputs(kwargs, q_len, start, start + chunk)
-            if _takes_logits_to_keep(model):
-                piece["logits_to_keep"] = 1  # earlier chunks' logits are never read
-            model(**piece)
+        cache.in_chunk_loop = True
+        try:
+            for start in range(0, last, chunk):
+                piece = _slice_inputs(kwargs, q_len, start, start + chunk)
+                if _takes_logits_to_keep(model):
+                    piece["logits_to_keep"] = 1  # earlier chunks' logits are never read
+                model(**piece)
+        finally:
+            cache.in_chunk_loop = False
         cache.chunked_prefills += 1
         kwargs = _slice_inputs(kwargs, q_len, last, q_len)
         input_ids, q_len = _query_length((), kwargs)
