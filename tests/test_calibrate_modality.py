@@ -9,11 +9,17 @@ import torch
 from PIL import Image
 
 import vlm_kv
-import vlm_kv.calibrate_modality as calibrate_modality
+from vlm_kv import calibrate_modality
 from vlm_kv.calibrate import CalibrationConfig, Calibrator, calibrate, plot_strategy
 from vlm_kv.calibrate_modality import less_shares, modality_shares, start_shares
 from vlm_kv.strategy import Strategy
-from vlm_kv.testing import record_evictions, tiny_inputs, tiny_model, tiny_processor, tiny_tokenizer
+from vlm_kv.testing import (
+    record_evictions,
+    tiny_inputs,
+    tiny_model,
+    tiny_processor,
+    tiny_tokenizer,
+)
 
 QUESTIONS = ["How many dots?\n<image1>", "Which colour is on top?\n<image1>", "What is the sum?\n<image1>"]
 

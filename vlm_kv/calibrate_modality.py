@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from vlm_kv.models.adapters import MODALITIES
 
-__all__ = ["less_shares", "modality_shares", "present_modalities", "start_shares", "calibrate_modalities"]
+__all__ = ["calibrate_modalities", "less_shares", "modality_shares", "present_modalities", "start_shares"]
 
 
 def present_modalities(windows: list) -> list[str]:
@@ -120,7 +120,7 @@ def calibrate_modalities(cal, chosen: dict[str, list[str]], budgets: list[float]
         fraction = min(1.0, budgets[layer] * L)
         head = f"modality|{layer}|{'>'.join(patterns.values())}|{fraction:.6g}"
 
-        def probe(shares):
+        def probe(shares, layer=layer, patterns=patterns, fraction=fraction):
             return lambda: measure_modality_probe(cal, layer, patterns, fraction, shares)
 
         free = cal._get_measured(f"{head}|free", probe(None), bar)
