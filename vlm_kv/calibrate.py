@@ -22,7 +22,11 @@ Our procedure (the PolyKV paper's code is not public):
    ``floor_ratio`` evenly to every layer (the floor) and the rest in proportion to sensitivity
    (``budget_source="probes"``) or to the entries the model's DBTrimKV gates keep per layer at
    the global budget (``budget_source="gates"``), no layer above its full cache.
-4. Attention entropy per layer (mean over heads of the entropy of the last ``entropy_queries``
+4. Modality shares per layer, on image data only (``images=``: MathVision-style problems, one
+   window per problem, the full cache's greedy continuation fed one token at a time): with the
+   layer's chosen pattern at its share, how much the KL grows when the layer keeps less of one
+   modality; see :mod:`vlm_kv.calibrate_modality`. Text data give no modality shares.
+5. Attention entropy per layer (mean over heads of the entropy of the last ``entropy_queries``
    prefill queries, full cache, normalised by log of the keys each query sees) is recorded as a
    signal beside the sensitivity, with their Spearman rank correlation (does diffuse attention
    predict sensitivity?); it does not enter the shares.
@@ -57,7 +61,7 @@ from vlm_kv.hooks import attach
 from vlm_kv.models.adapters import get_adapter
 from vlm_kv.policies import PolyKV, PolyKVAllocation, normalize_policy_name, policy_spec
 from vlm_kv.policies.base import Scorer
-from vlm_kv.strategy import PHASES, LayerEntry, Strategy, StrategyError
+from vlm_kv.strategy import MODALITIES, PHASES, LayerEntry, Strategy, StrategyError
 
 #: pattern of the layers a probe leaves full (it never evicts there; this one observes nothing)
 FULL_LAYER_PATTERN = "streaming_llm"
@@ -65,7 +69,11 @@ FULL_LAYER_PATTERN = "streaming_llm"
 
 #: settings that choose from the measurements, or which ones to take, without changing any
 #: measurement (every measurement is keyed by layer, pattern(s) and budget multiple)
-CHOICE_SETTINGS = ("margin", "floor_ratio", "candidates", "sensitivity", "phases", "budget_pattern", "budget_source")
+CHOICE_SETTINGS = ("margin", "floor_ratio", "candidates", "sensitivity", "phases", "budget_pattern", "budget_source",
+                   "modality_factor", "modality_floor")
+#: settings of image data only (they are part of a progress file's settings only for image data,
+#: so text progress files written before them still resume)
+IMAGE_SETTINGS = ("min_pixels", "max_pixels", "prompt_style")
 BUDGET_SOURCES = ("probes", "gates")
 
 
@@ -86,6 +94,11 @@ class CalibrationConfig:
     entropy_queries: int = 64                   # prefill queries per window the entropy signal averages
     budget_pattern: str = "chosen"              # pattern probed for sensitivity: "chosen" or "baseline"
     budget_source: str = "probes"               # shares from the probes' sensitivity, or from the gates' top-k
+    modality_factor: float = 0.5                # a modality probe multiplies that modality's share by this
+    modality_floor: float = 0.05                # least share of a layer's budget any modality present gets
+    min_pixels: int | None = None               # image data: pixel limits of each image (default: the processor's)
+    max_pixels: int | None = None
+    prompt_style: str = "authors"               # image data: MathVision prompt style
 
     def check(self) -> "CalibrationConfig":
         if not 0.0 < self.budget < 1.0:
@@ -126,16 +139,45 @@ class CalibrationConfig:
             raise ValueError(f"entropy_queries must be >= 1, got {self.entropy_queries}")
         if not 0.0 <= self.floor_ratio <= 1.0:
             raise ValueError(f"floor_ratio must be in [0, 1], got {self.floor_ratio}")
+        if not 0.0 < self.modality_factor < 1.0:
+            raise ValueError(f"modality_factor must be in (0, 1), got {self.modality_factor}")
+        if not 0.0 <= self.modality_floor < 1.0 / len(MODALITIES):
+            raise ValueError(f"modality_floor must be in [0, 1/{len(MODALITIES)}), got {self.modality_floor}")
+        for name in ("min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive number of pixels, got {value}")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} is larger than max_pixels {self.max_pixels}")
+        from vlm_kv.eval.mathvision_prompt import PROMPT_STYLES
+
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {self.prompt_style!r}")
         return self
 
 
 @dataclass
 class Window:
+    """One calibration window: ``context`` tokens prefilled (with ``inputs``, the vision tensors
+    of an image prompt), then the tokens after them fed one at a time.
+
+    Text windows hold all their tokens from the start. Image windows hold the prompt only; the
+    reference run appends ``generate`` greedy tokens of the full cache (their continuation)."""
+
     source: str
     offset: int
-    ids: torch.Tensor      # [1, context + continuation + 1]
+    ids: torch.Tensor      # [1, context + continuation + 1] (image windows: the prompt until the reference ran)
     ref_logps: torch.Tensor | None = None
     ref_hidden: torch.Tensor | None = None
+    context: int = 0
+    inputs: dict = field(default_factory=dict, repr=False)
+    generate: int = 0
+    info: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        # image windows: the length their reference gives them, whether or not it ran yet
+        tokens = self.context + self.generate + 1 if self.generate else int(self.ids.shape[1])
+        return {"file": self.source, "offset": self.offset, "tokens": tokens, **self.info}
 
 
 def calibration_windows(tokenizer, paths: list[str], config: CalibrationConfig) -> list[Window]:
@@ -153,34 +195,73 @@ def calibration_windows(tokenizer, paths: list[str], config: CalibrationConfig) 
         last = max(0, size - need * 6)
         for _ in range(config.windows_per_file):
             offset = rng.randint(0, last) if last else 0
-            windows.append(Window(os.path.basename(path), offset, text_tokens(tokenizer, path, offset, need)))
+            windows.append(Window(os.path.basename(path), offset, text_tokens(tokenizer, path, offset, need),
+                                  context=config.context))
     return windows
 
 
+def _step(model, arg: dict, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Feed one token: its next-token log-probs [V], final hidden state [H] and logits [1, 1, V]."""
+    out = model(input_ids=token, **arg, use_cache=True, output_hidden_states=True)
+    return F.log_softmax(out.logits[0, -1].float(), dim=-1), out.hidden_states[-1][0, -1].float(), out.logits
+
+
 @torch.no_grad()
-def _feed(model, cache, ids: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs and final hidden states for each continuation token: [M, V], [M, H]."""
+def _feed(model, cache, ids: torch.Tensor, context: int, inputs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and final hidden states for each continuation token: [M, V], [M, H].
+    ``inputs``: vision tensors of the prefill (image prompts)."""
     arg = {cache_kwarg(model): cache}
-    model(input_ids=ids[:, :context], **arg, use_cache=True)
+    model(input_ids=ids[:, :context], **(inputs or {}), **arg, use_cache=True)
     logps, hidden = [], []
     for i in range(ids.shape[1] - 1 - context):
-        out = model(input_ids=ids[:, context + i : context + i + 1], **arg, use_cache=True, output_hidden_states=True)
-        logps.append(F.log_softmax(out.logits[0, -1].float(), dim=-1))
-        hidden.append(out.hidden_states[-1][0, -1].float())
+        lp, h, _ = _step(model, arg, ids[:, context + i : context + i + 1])
+        logps.append(lp)
+        hidden.append(h)
     return torch.stack(logps), torch.stack(hidden)
 
 
+@torch.no_grad()
+def _greedy_reference(model, window: Window) -> None:
+    """Full-cache reference of an image window: its greedy continuation of ``window.generate``
+    tokens (appended to ``window.ids``, with the token that follows them; never an image or video
+    placeholder) and, for each, the next-token log-probs and final hidden state, exactly what
+    :func:`_feed` measures on them."""
+    adapter = get_adapter(model)
+    # a vision placeholder fed without its pixels would be an image entry with a text embedding
+    banned = [t for t in (adapter.image_token_id, adapter.video_token_id) if t is not None]
+
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        last = logits[:, -1:].clone()
+        last[..., banned] = float("-inf")
+        return last.argmax(-1)
+
+    arg = {cache_kwarg(model): DynamicCache(config=model.config)}
+    out = model(input_ids=window.ids[:, : window.context], **window.inputs, **arg, use_cache=True)
+    token = greedy(out.logits)
+    fed, logps, hidden = [], [], []
+    for _ in range(window.generate):
+        fed.append(token)
+        lp, h, logits = _step(model, arg, token)
+        logps.append(lp)
+        hidden.append(h)
+        token = greedy(logits)
+    window.ids = torch.cat([window.ids[:, : window.context], *fed, token], dim=1)
+    window.ref_logps, window.ref_hidden = torch.stack(logps), torch.stack(hidden)
+
+
 def probe_strategy(fingerprint: dict, num_layers: int, layer: int, fraction: float,
-                   patterns: dict[str, str], base_pattern: str | None = None, base_fraction: float = 1.0) -> Strategy:
-    """``layer`` keeps ``fraction`` of its cache with ``patterns[phase]``; every other layer keeps
-    ``base_fraction`` of its cache with ``base_pattern`` (default: its full cache). The global
-    budget is what that amounts to."""
+                   patterns: dict[str, str], base_pattern: str | None = None, base_fraction: float = 1.0,
+                   modality: dict[str, float] | None = None) -> Strategy:
+    """``layer`` keeps ``fraction`` of its cache with ``patterns[phase]`` (split between
+    modalities by ``modality`` when given); every other layer keeps ``base_fraction`` of its
+    cache with ``base_pattern`` (default: its full cache). The global budget is what that
+    amounts to."""
     if base_pattern is None:
         base_pattern, base_fraction = FULL_LAYER_PATTERN, 1.0
     layers = {}
     for phase, pattern in patterns.items():
         entries = [LayerEntry(base_pattern, base_fraction / num_layers) for _ in range(num_layers)]
-        entries[layer] = LayerEntry(pattern, fraction / num_layers)
+        entries[layer] = LayerEntry(pattern, fraction / num_layers, modality=dict(modality) if modality else None)
         layers[phase] = entries
     total = ((num_layers - 1) * base_fraction + fraction) / num_layers
     return Strategy(model=fingerprint, budget=total, layers=layers).validate()
@@ -262,13 +343,14 @@ class _EntropyLayer(Scorer):
 
 
 @torch.no_grad()
-def attention_entropy(model, ids: torch.Tensor, context: int, queries: int) -> list[float]:
-    """Per-layer normalised attention entropy of the prefill of ``ids[:, :context]`` (full cache)."""
+def attention_entropy(model, ids: torch.Tensor, context: int, queries: int, inputs: dict | None = None) -> list[float]:
+    """Per-layer normalised attention entropy of the prefill of ``ids[:, :context]`` (full cache;
+    ``inputs``: vision tensors of an image prompt)."""
     adapter = attach(model)
     recorder = _EntropyRecorder(adapter.num_layers, queries)
     cache = CompressedCache(adapter, recorder, Uniform(), Budget(fraction=1.0), evict_every=1 << 30,
                             policy_name="entropy-probe", model_id=id(model), seed=0)
-    model(input_ids=ids[:, :context], **{cache_kwarg(model): cache}, use_cache=True)
+    model(input_ids=ids[:, :context], **(inputs or {}), **{cache_kwarg(model): cache}, use_cache=True)
     return [sum(v) / len(v) if v else float("nan") for v in recorder.per_layer]
 
 
@@ -317,23 +399,43 @@ class Calibrator:
     def __init__(self, model, tokenizer, data: list[str], config: CalibrationConfig,
                  progress_path: str | None = None, show_progress: bool = True,
                  log: Callable[[str], None] | None = None, only_measured: bool = False,
-                 gates=None) -> None:
+                 gates=None, images: str | None = None) -> None:
         """``gates``: a folder or RetentionGates module for gated candidates (default: the gates
-        shipped for the model)."""
+        shipped for the model). ``images``: the folder the image paths of MathVision-style JSONL
+        ``data`` are relative to; then ``tokenizer`` is the model's processor, each window is one
+        problem (image + question, its greedy continuation) and the layers' modality shares are
+        calibrated too (:mod:`vlm_kv.calibrate_modality`)."""
         self.only_measured = only_measured
         self.model = model
         self.config = config.check()
         self.fingerprint = get_adapter(model).fingerprint()
         self.num_layers = self.fingerprint["num_layers"]
         self.data = list(data)
-        self.windows = calibration_windows(tokenizer, self.data, self.config)
+        self.images = images
+        if images is None:
+            given = [n for n in ("min_pixels", "max_pixels") if getattr(self.config, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to image data: give the images folder (--images DIR)")
+            self.windows = calibration_windows(tokenizer, self.data, self.config)
+        else:
+            from vlm_kv.calibration_data import image_windows
+
+            self.windows = image_windows(model, tokenizer, self.data, images, self.config)
+        from vlm_kv.calibrate_modality import present_modalities
+
+        # modality shares are calibrated on image data only (text data: one modality, as before)
+        self.modalities = present_modalities(self.windows) if images is not None else ["text"]
         self.progress_path = progress_path
         self.show_progress = show_progress
         self.log = log or (lambda msg: None)
-        # margin and floor_ratio only decide from the measurements: a progress file serves any of them
-        measured = {k: v for k, v in asdict(self.config).items() if k not in CHOICE_SETTINGS}
+        # choice settings only decide from the measurements: a progress file serves any of them;
+        # settings that do not apply to the data stay out (text progress files keep resuming)
+        self._unused = ("context",) if images is not None else IMAGE_SETTINGS + ("modality_factor", "modality_floor")
+        measured = {k: v for k, v in asdict(self.config).items() if k not in CHOICE_SETTINGS + self._unused}
         self.settings = {"model": self.fingerprint, "data": [os.path.basename(p) for p in self.data],
                          "config": measured}
+        if images is not None:
+            self.settings["images"] = os.path.basename(os.path.normpath(images))
         self.gates = None
         self._gates_arg = gates
         self._share_gates = gates if gates is not None and not isinstance(gates, str) else None
@@ -375,14 +477,16 @@ class Calibrator:
     # ------------------------------------------------------------ measurements
     def _reference(self) -> None:
         for w in self.windows:
-            if w.ref_logps is None:
+            if w.ref_logps is None and w.generate:
+                _greedy_reference(self.model, w)
+            elif w.ref_logps is None:
                 w.ref_logps, w.ref_hidden = _feed(self.model, DynamicCache(config=self.model.config), w.ids,
-                                                  self.config.context)
+                                                  w.context, w.inputs)
 
     def entropy(self) -> list[float]:
         """Per-layer attention entropy averaged over the windows (full cache, prefill)."""
         if self._entropy is None:
-            per_window = [attention_entropy(self.model, w.ids, self.config.context, self.config.entropy_queries)
+            per_window = [attention_entropy(self.model, w.ids, w.context, self.config.entropy_queries, w.inputs)
                           for w in self.windows]
             self._entropy = [sum(col) / len(col) for col in zip(*per_window)]
         return self._entropy
@@ -399,12 +503,13 @@ class Calibrator:
 
             if self._share_gates is None:
                 self._share_gates = _resolve_gates(self.model, self._gates_arg, "dbtrimkv", "polykv")
+            self._reference()  # image windows: their continuation
             start = time.perf_counter()
             rows = []
             for w in self.windows:
                 cache = make_cache(self.model, policy="dbtrimkv", budget=self.config.budget, gates=self._share_gates,
                                    evict_every=self.config.evict_every, seed=self.config.seed)
-                _feed(self.model, cache, w.ids, self.config.context)
+                _feed(self.model, cache, w.ids, w.context, w.inputs)
                 rows.append([layer.store.num_entries() for layer in cache.layers])
             self.seconds += time.perf_counter() - start
             self.results[key] = {"entries": [sum(col) / len(col) for col in zip(*rows)]}
@@ -426,18 +531,22 @@ class Calibrator:
         kls, coss = [], []
         for w in self.windows:
             cache = probe_cache(self.model, strategy, cfg.evict_every, cfg.seed, self.gates)
-            logps, hidden = _feed(self.model, cache, w.ids, cfg.context)
+            logps, hidden = _feed(self.model, cache, w.ids, w.context, w.inputs)
             kls.append(float(F.kl_div(logps, w.ref_logps, log_target=True, reduction="none").sum(-1).mean()))
             coss.append(float(F.cosine_similarity(hidden, w.ref_hidden, dim=-1).mean()))
         self.seconds += time.perf_counter() - start
         return {"kl": sum(kls) / len(kls), "cos": sum(coss) / len(coss)}
 
     def _get(self, key: str, layer: int, patterns: dict[str, str], multiple: float, bar) -> dict[str, float]:
+        return self._get_measured(key, lambda: self.measure(layer, patterns, multiple), bar)
+
+    def _get_measured(self, key: str, measure: Callable[[], dict], bar) -> dict:
+        """The measurement ``key``: reloaded, or measured now and saved at once."""
         if key not in self.results:
             if self.only_measured:
                 raise StrategyError(f"measurement {key!r} is not in {self.progress_path}; run without "
                                     "--only-measured to measure it")
-            self.results[key] = self.measure(layer, patterns, multiple)
+            self.results[key] = measure()
             self._save_progress()
         bar.update(1)
         return self.results[key]
@@ -466,8 +575,13 @@ class Calibrator:
         cfg = self.config
         L, cands, base = self.num_layers, cfg.candidates, cfg.baseline
         probed = len(cands) - (1 if base else 0)
-        total = (1 if base else 0) + L * probed + L * (len(cands) - 1) * (len(cfg.phases) - 1) \
+        total = (1 if base else 0) + L * probed + L * (len(cfg.phases) - 1) * (len(cands) - 1) \
             + L * len(cfg.sensitivity)
+        with_modality = len(self.modalities) > 1
+        if with_modality:
+            from vlm_kv.calibrate_modality import calibrate_modalities, probes_per_layer
+
+            total += L * probes_per_layer(self.modalities)
         bar = tqdm(total=total, desc="calibrate", disable=not self.show_progress, unit="probe")
         base_score = self._get(f"baseline|{base}", 0, {"prefill": base}, 1.0, bar) if base else None
         curves: dict[int, dict[float, float]] = {}
@@ -521,7 +635,6 @@ class Calibrator:
             signals[layer]["kl_by_budget_multiple"] = {f"{m:g}": v for m, v in sorted(curve.items())}
             signals[layer]["sensitivity"] = slope
             sensitivity.append(slope)
-        bar.close()
         entropy = self.entropy()
         for layer in range(L):
             signals[layer]["attention_entropy"] = entropy[layer]
@@ -535,14 +648,21 @@ class Calibrator:
         else:
             weights = sensitivity
         budgets, floor = allocate(weights, cfg.budget, cfg.floor_ratio)
-        layers = {phase: [LayerEntry(chosen[phase][i], budgets[i], signals=signals[i] if phase == "prefill" else {})
+        shares: list[dict | None] = [None] * L
+        if with_modality:
+            for layer, (split, why) in enumerate(calibrate_modalities(self, chosen, budgets, bar)):
+                shares[layer] = split
+                signals[layer]["modality"] = why
+        bar.close()
+        layers = {phase: [LayerEntry(chosen[phase][i], budgets[i], modality=dict(shares[i]) if shares[i] else None,
+                                     signals=signals[i] if phase == "prefill" else {})
                           for i in range(L)] for phase in cfg.phases}
         if "decode" in cfg.phases:
             for i in range(L):
                 layers["decode"][i].signals = {"see": "prefill entry of this layer"}
         others = "full" if base is None else f"compressed to the global budget by {base}"
         calibration = {
-            "data": [{"file": w.source, "offset": w.offset, "tokens": int(w.ids.shape[1])} for w in self.windows],
+            "data": [w.describe() for w in self.windows],
             "method": f"one layer switched to a candidate at a time, the other layers {others}; KL of next-token "
                       "distributions and cosine of the final hidden state vs one shared full-cache reference"
                       + (f"; the baseline pattern kept unless a candidate lowers KL by more than {cfg.margin:g} of it"
@@ -550,7 +670,8 @@ class Calibrator:
                       + f"; sensitivity = slope of KL over the probed budget multiples (pattern: {cfg.budget_pattern})"
                       + ("; shares = floor + rest proportional to sensitivity" if cfg.budget_source == "probes" else
                          "; shares = floor + rest proportional to the entries DBTrimKV's gates keep per layer"),
-            **{k: v for k, v in asdict(cfg).items() if k not in ("budget", "candidates")},
+            **{k: v for k, v in asdict(cfg).items() if k not in ("budget", "candidates") + self._unused},
+            **(self._image_description() if self.images is not None else {}),
             "baseline_kl": base_score["kl"] if base_score else None,
             "entropy_vs_sensitivity_spearman": spearman(entropy, sensitivity),
             **extra,
@@ -560,18 +681,41 @@ class Calibrator:
         return Strategy(model=self.fingerprint, budget=cfg.budget, layers=layers, floor=floor,
                         candidates=list(cands), calibration=calibration).validate()
 
+    def _image_description(self) -> dict:
+        """What the image data was, for the strategy's ``calibration`` record."""
+        n = len(self.windows)
+        described = {
+            "images": {"folder": self.images, "files": [os.path.basename(p) for p in self.data], "windows": n,
+                       "images": len({(w.source, w.info.get("image")) for w in self.windows}),
+                       "image_tokens": sum(w.info.get("image_tokens", 0) for w in self.windows),
+                       "prompt_tokens": sum(w.context for w in self.windows),
+                       "continuation": "greedy tokens of the full cache, fed one at a time"},
+            "modalities": list(self.modalities),
+        }
+        if len(self.modalities) > 1:
+            described["modality_method"] = (
+                "per layer, with its chosen pattern at its calibrated share: the split of the entries it keeps "
+                "alone (start shares), KL with them imposed, and KL with each modality's share times "
+                f"{self.config.modality_factor:g} (the others absorbing it); shares = start x sensitivity, "
+                f"normalised, floor {self.config.modality_floor:g} each (vlm_kv/calibrate_modality.py)")
+        return described
+
 
 def calibrate(model, tokenizer, data: list[str], config: CalibrationConfig, progress_path: str | None = None,
-              show_progress: bool = True, only_measured: bool = False, gates=None) -> Strategy:
+              show_progress: bool = True, only_measured: bool = False, gates=None,
+              images: str | None = None) -> Strategy:
     """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring);
     ``only_measured``: choose from the measurements in ``progress_path`` and measure nothing;
-    ``gates``: for gated candidates (trimkv, dbtrimkv), a folder or module (default: shipped)."""
+    ``gates``: for gated candidates (trimkv, dbtrimkv), a folder or module (default: shipped);
+    ``images``: ``data`` are MathVision-style JSONL files whose image paths are relative to this
+    folder, ``tokenizer`` is the model's processor, and every layer gets modality shares too."""
     return Calibrator(model, tokenizer, data, config, progress_path, show_progress,
-                      only_measured=only_measured, gates=gates).run()
+                      only_measured=only_measured, gates=gates, images=images).run()
 
 
 def plot_strategy(strategy: Strategy, path: str) -> None:
-    """PNG: per layer, its budget (as a fraction of its own cache) coloured by pattern, per phase."""
+    """PNG: per layer, its budget (as a fraction of its own cache) coloured by pattern, per phase;
+    below each phase whose entries carry modality shares, the shares per layer (stacked)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -580,20 +724,43 @@ def plot_strategy(strategy: Strategy, path: str) -> None:
     phases = list(strategy.layers)
     names = sorted(strategy.patterns())
     colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
-    fig, axes = plt.subplots(len(phases), 1, figsize=(max(6, strategy.num_layers * 0.3), 2.8 * len(phases)),
+    with_shares = [p for p in phases if any(e.modality for e in strategy.layers[p])]
+    rows = [(phase, "budget") for phase in phases] + [(phase, "modality") for phase in with_shares]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(max(6, strategy.num_layers * 0.3), 2.8 * len(rows)),
                              squeeze=False)
     L = strategy.num_layers
-    for ax, phase in zip(axes[:, 0], phases):
+    for ax, (phase, kind) in zip(axes[:, 0], rows):
         entries = strategy.layers[phase]
+        ax.set_xticks(range(L))
+        if kind == "modality":
+            _plot_modality_shares(ax, entries, phase)
+            continue
         fractions = [e.budget * L for e in entries]
         ax.bar(range(L), fractions, color=[colours[e.pattern] for e in entries])
         ax.axhline(strategy.budget, color="grey", linestyle="--", linewidth=1)
         ax.set_ylabel("kept fraction of layer")
         ax.set_title(f"{phase}: pattern and budget per layer (global budget {strategy.budget:g}, dashed)")
-        ax.set_xticks(range(L))
     axes[-1, 0].set_xlabel("layer")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
     fig.legend(handles, names, loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+#: one colour per modality in the strategy plot (text grey, image orange, video blue)
+_MODALITY_COLOURS = {"text": "#9e9e9e", "image": "#ff7f0e", "video": "#1f77b4"}
+
+
+def _plot_modality_shares(ax, entries: list[LayerEntry], phase: str) -> None:
+    """Stacked bars of each layer's modality shares (a layer without shares: an empty column)."""
+    bottom = [0.0] * len(entries)
+    for m in MODALITIES:
+        heights = [(e.modality or {}).get(m, 0.0) for e in entries]
+        if any(heights):
+            ax.bar(range(len(entries)), heights, bottom=bottom, color=_MODALITY_COLOURS[m], label=m)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of layer budget")
+    ax.set_title(f"{phase}: modality shares per layer")
+    ax.legend(loc="lower left", fontsize=8)
