@@ -99,7 +99,7 @@ def _decode(processor: Any, ids) -> str:
     return decode(ids, skip_special_tokens=True)[0]
 
 
-def _model_inputs(model: Any, processor: Any, problem: MathVisionProblem, image: Any, prompt_style: str,
+def model_inputs(model: Any, processor: Any, problem: MathVisionProblem, image: Any, prompt_style: str,
                   min_pixels: int | None = None, max_pixels: int | None = None):
     import torch
 
@@ -155,7 +155,7 @@ def generate_response(
         make_cache = _make_cache
     if image is None:
         image = problem.load_image()
-    inputs = _model_inputs(model, processor, problem, image, prompt_style, min_pixels, max_pixels)
+    inputs = model_inputs(model, processor, problem, image, prompt_style, min_pixels, max_pixels)
     cache = make_cache(model, policy=policy, budget=budget, **(cache_kwargs or {}))
     from vlm_kv.api import cache_kwarg
 

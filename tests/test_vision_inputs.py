@@ -73,15 +73,15 @@ def test_pixel_limits_reach_the_processor(monkeypatch):
 
 
 def test_mathvision_inputs_follow_max_pixels():
-    from vlm_kv.eval.mathvision_run import _model_inputs
+    from vlm_kv.eval.mathvision_run import model_inputs
     from vlm_kv.testing import tiny_model
 
     model, processor = tiny_model("qwen2_5_vl"), tiny_processor("qwen2_5_vl")
     problem = {"question": "How many?", "options": []}
     image = Image.new("RGB", (500, 300))
-    small = _model_inputs(model, processor, problem, image, "authors")
-    large = _model_inputs(model, processor, problem, image, "authors", max_pixels=4096)
+    small = model_inputs(model, processor, problem, image, "authors")
+    large = model_inputs(model, processor, problem, image, "authors", max_pixels=4096)
     assert small["image_grid_thw"].tolist() == [[1, 6, 10]]
     assert large["image_grid_thw"].tolist() == [[1, 12, 20]]
     with pytest.raises(ValueError, match="apply to Qwen VL processors"):
-        _model_inputs(tiny_model("llava"), tiny_processor("llava"), problem, image, "authors", max_pixels=4096)
+        model_inputs(tiny_model("llava"), tiny_processor("llava"), problem, image, "authors", max_pixels=4096)
