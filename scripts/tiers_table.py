@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = ["dtype", "tiers", "int2_share", "key_rope", "policy", "budget", "kl", "top1", "nll", "full_nll",
+COLUMNS = ["dtype", "tiers", "int2_share", "window", "key_rope", "policy", "budget", "kl", "top1", "nll", "full_nll",
            "held_fraction", "max_kv_bytes", "full_kv_bytes", "decode_ms_per_token", "run"]
 
 
@@ -31,6 +31,7 @@ def rows(folder: Path) -> list[dict]:
             out.append({
                 "dtype": dtype, "tiers": tiered or "none",
                 "int2_share": kw.get("int2_share", 0.7 if tiered and r["policy"] != "kivi2" else ""),
+                "window": kw.get("window", 32 if r["policy"] == "kivi2" else 8) if tiered else "",
                 "key_rope": kw.get("key_rope", "post") if tiered else "",
                 "policy": r["policy"], "budget": r["budget"], "kl": r["kl"], "top1": r["top1"], "nll": r["nll"],
                 "full_nll": r["full_nll"], "held_fraction": r["max_kv_bytes"] / r["full_kv_bytes"],
@@ -50,7 +51,8 @@ def plot(table: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[str, list] = {}
     for r in table:
-        if r["dtype"] != "bfloat16" or r["key_rope"] == "pre" or r["int2_share"] not in ("", 0.7):
+        if r["dtype"] != "bfloat16" or r["key_rope"] == "pre" or r["int2_share"] not in ("", 0.7) \
+                or r["window"] not in ("", 8, 32 if r["policy"] == "kivi2" else 8):
             continue
         label = f"{r['policy']} + INT2 tiers" if r["tiers"] == "int2" and r["policy"] not in ("qevict", "kivi2") \
             else r["policy"]
@@ -76,10 +78,10 @@ def main(folder: str) -> None:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(table)
-    print("| dtype | budget | policy | tiers | q | keys | KV held (max) | KL | top-1 | NLL (full) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| dtype | budget | policy | tiers | q | w | keys | KV held (max) | KL | top-1 | NLL (full) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in table:
-        print(f"| {r['dtype']} | {r['budget']} | {r['policy']} | {r['tiers']} | {r['int2_share']} | {r['key_rope']} | "
+        print(f"| {r['dtype']} | {r['budget']} | {r['policy']} | {r['tiers']} | {r['int2_share']} | {r['window']} | {r['key_rope']} | "
               f"{r['held_fraction']:.3f} | {r['kl']:.4f} | {r['top1']:.3f} | {r['nll']:.4f} ({r['full_nll']:.4f}) |")
 
 
