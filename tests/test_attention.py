@@ -100,3 +100,27 @@ def test_prefill_over_a_compressed_store_through_the_varlen_path_equals_the_padd
     ref = varlen_attention(query, store.padded_view(), torch.arange(12, 17), None)
     out = prefill_attention_paged(query, store, None, backend="torch")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_over_a_small_uniform_store_takes_one_sdpa_call_and_equals_the_split_softmax(monkeypatch):
+    import vlm_kv.attention as attention_mod
+
+    store, k, v = _filled_store(b=2, h=2, d=8, n=20, seed=3)
+    store.compact(store.padded_view().positions % 3 != 1)  # a uniform body of 13 per head
+    new_k, new_v = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
+    store.append(new_k, new_v, torch.arange(20, 23), torch.zeros(2, 3, dtype=torch.uint8), torch.ones(2, 3, dtype=torch.bool))
+    query = torch.randn(2, 4, 1, 8)  # GQA: 2 query heads per KV head
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention_mod.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    small, _ = attention_mod.decode_attention(query, store, None)
+    assert len(calls) == 1
+    monkeypatch.setattr(attention_mod, "SMALL_DECODE_ENTRIES", 0)
+    split, _ = attention_mod.decode_attention(query, store, None)
+    assert len(calls) == 1  # the split softmax runs no SDPA
+    torch.testing.assert_close(small, split, rtol=1e-5, atol=1e-6)
+    keep = torch.zeros(2, 2, 23, dtype=torch.bool)
+    keep[..., :20] = (torch.arange(20) % 3 != 1)
+    keep[..., 20:] = True
+    ref = _reference(query, torch.cat([k, new_k], 2), torch.cat([v, new_v], 2), keep, torch.tensor([22]), torch.arange(23))
+    torch.testing.assert_close(small, ref, rtol=1e-5, atol=1e-6)
