@@ -124,3 +124,23 @@ def test_decode_over_a_small_uniform_store_takes_one_sdpa_call_and_equals_the_sp
     keep[..., 20:] = True
     ref = _reference(query, torch.cat([k, new_k], 2), torch.cat([v, new_v], 2), keep, torch.tensor([22]), torch.arange(23))
     torch.testing.assert_close(small, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_over_a_small_ragged_store_equals_the_split_softmax(monkeypatch):
+    import vlm_kv.attention as attention_mod
+
+    store, k, v = _filled_store(b=2, h=2, d=8, n=20, seed=4)
+    heads = torch.arange(2).view(1, 2, 1)
+    keep = (store.padded_view().positions % (2 + heads)) != 1  # different lengths per head: ragged
+    store.compact(keep)
+    assert not store.uniform
+    new_k, new_v = torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8)
+    store.append(new_k, new_v, torch.arange(20, 22), torch.zeros(2, 2, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.bool))
+    query = torch.randn(2, 4, 1, 8)
+    small, _ = attention_mod.decode_attention(query, store, None)
+    monkeypatch.setattr(attention_mod, "SMALL_DECODE_ENTRIES", 0)
+    split, _ = attention_mod.decode_attention(query, store, None)
+    torch.testing.assert_close(small, split, rtol=1e-5, atol=1e-6)
+    full_keep = torch.cat([keep.expand(2, 2, 20), torch.ones(2, 2, 2, dtype=torch.bool)], dim=2)
+    ref = _reference(query, torch.cat([k, new_k], 2), torch.cat([v, new_v], 2), full_keep, torch.tensor([21]), torch.arange(22))
+    torch.testing.assert_close(small, ref, rtol=1e-5, atol=1e-6)

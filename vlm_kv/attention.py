@@ -143,7 +143,8 @@ def varlen_attention(
 
 #: decode over at most this many entries per head (uniform stores) runs as one SDPA call on a copy.
 #: Measured per call (one thread, 3 KV heads x 3 query heads, D 64): 69 vs 212 us at 59 entries,
-#: 155 vs 207 us at 508, level at 827 (noise +-20 %).
+#: 155 vs 207 us at 508, level at 827 (noise +-20 %); ragged stores: ~105 vs ~140 us at 177 entries,
+#: ~110 vs ~170 us at 474 (scripts/decode_microbench.py).
 SMALL_DECODE_ENTRIES = 512
 
 
@@ -177,6 +178,9 @@ def decode_attention(
             keys, values = torch.cat([body_k, keys], dim=2), torch.cat([body_v, values], dim=2)
         out = F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=g > 1)
         return out.transpose(1, 2), None
+    if (not store.uniform and not want_received and store.tail_all_valid
+            and store.body_size + h * store.tail_size <= SMALL_DECODE_ENTRIES):
+        return _decode_ragged_sdpa(query, store, scale), None
     q = query.reshape(b, h, g, d)
     tail_k, tail_v = store.tail_keys, store.tail_values
     tail_logits = torch.matmul(q, tail_k.transpose(-1, -2)).float() * scale  # [B, H, g, T]
@@ -222,6 +226,41 @@ def decode_attention(
     if not want_received:
         return out, None
     return out, (torch.cat(body_parts), torch.stack(tail_parts))
+
+
+def _tail_head_bias(h: int, g: int, t: int, device: torch.device) -> torch.Tensor:
+    """[H * g, H * t] float32: 0 where a query head meets a tail entry of its own KV head (the tail
+    flattened head-major), -inf elsewhere."""
+    key = (h, g, t, device)
+    if key not in _TAIL_BIAS:
+        if len(_TAIL_BIAS) > 256:
+            _TAIL_BIAS.clear()
+        own = torch.arange(h * g, device=device)[:, None] // g == torch.arange(h * t, device=device)[None, :] // t
+        _TAIL_BIAS[key] = torch.zeros(own.shape, device=device).masked_fill_(~own, float("-inf"))
+    return _TAIL_BIAS[key]
+
+
+_TAIL_BIAS: dict[tuple, torch.Tensor] = {}
+
+
+def _decode_ragged_sdpa(query: torch.Tensor, store: Any, scale: float) -> torch.Tensor:
+    """Decode over a small ragged store: per sequence, the flat body and the head-major tail form one
+    key list that every query head attends through an additive mask of its own KV head's entries
+    (one SDPA call instead of the split softmax's dozen small ops). [B, 1, Hq, D]."""
+    b, hq, _, d = query.shape
+    h, t = store.num_kv_heads, store.tail_size
+    g = hq // h
+    tail_bias = _tail_head_bias(h, g, t, query.device)
+    outs = []
+    for i in range(b):
+        start, count = store.batch_span(i)
+        keys = torch.cat([store.body_keys[start : start + count], store.tail_keys[i].reshape(h * t, d)])
+        values = torch.cat([store.body_values[start : start + count], store.tail_values[i].reshape(h * t, d)])
+        bias = torch.cat([store.head_bias(i, g), tail_bias], dim=1)
+        out = F.scaled_dot_product_attention(query[i].reshape(1, 1, hq, d), keys[None, None], values[None, None],
+                                             attn_mask=bias[None, None].to(query.dtype), scale=scale)
+        outs.append(out.reshape(hq, d))
+    return torch.stack(outs).view(b, 1, hq, d)
 
 
 def decode_attention_triton(query: torch.Tensor, store: Any, scaling: float | None) -> torch.Tensor:
