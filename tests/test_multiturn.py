@@ -66,3 +66,15 @@ def test_second_turn_positions_match_uncompressed_run(family):
     kept = view.positions[view.valid]
     assert int(kept.max()) == cache.get_seq_length() - 1 and int(kept.min()) >= 0
     assert cache.stats()["per_modality"]["image"] > 0
+
+
+def test_reset_empties_the_cache_for_a_new_conversation():
+    model = tiny_model("llama", num_layers=2)
+    ids = torch.randint(16, 200, (1, 60), generator=torch.Generator().manual_seed(7))
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.25, scorer_kwargs={"window": 4})
+    model(input_ids=ids[:, :40], cache=cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.num_entries() == 0 and cache.valid_tokens is None
+    fresh = vlm_kv.make_cache(model, policy="snapkv", budget=0.25, scorer_kwargs={"window": 4})
+    torch.testing.assert_close(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=fresh).logits)
+    assert cache.kv_bytes()["total"] == fresh.kv_bytes()["total"]

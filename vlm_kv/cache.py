@@ -458,6 +458,14 @@ class CompressedCache(Cache):
         for listener in self.eviction_listeners:
             listener(self)
 
+    def reset(self) -> None:
+        """Empty the cache for a new conversation: every layer and what the ledger counted."""
+        super().reset()
+        self.ledger.reset()
+        self.gate_stash.clear()
+        self._layerwise = None
+        self.evictor.decode_steps_since_eviction = 0
+
     # ------------------------------------------------------------ batch
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
