@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vlm_kv.storage import PaddedView
+from vlm_kv.storage import PaddedView, own_head_bias
 
 ATTN_IMPLEMENTATION = "vlm_kv"
 
@@ -235,8 +235,7 @@ def _tail_head_bias(h: int, g: int, t: int, device: torch.device) -> torch.Tenso
     if key not in _TAIL_BIAS:
         if len(_TAIL_BIAS) > 256:
             _TAIL_BIAS.clear()
-        own = torch.arange(h * g, device=device)[:, None] // g == torch.arange(h * t, device=device)[None, :] // t
-        _TAIL_BIAS[key] = torch.zeros(own.shape, device=device).masked_fill_(~own, float("-inf"))
+        _TAIL_BIAS[key] = own_head_bias(torch.arange(h * t, device=device) // t, h, g)
     return _TAIL_BIAS[key]
 
 
@@ -258,7 +257,7 @@ def _decode_ragged_sdpa(query: torch.Tensor, store: Any, scale: float) -> torch.
         values = torch.cat([store.body_values[start : start + count], store.tail_values[i].reshape(h * t, d)])
         bias = torch.cat([store.head_bias(i, g), tail_bias], dim=1)
         out = F.scaled_dot_product_attention(query[i].reshape(1, 1, hq, d), keys[None, None], values[None, None],
-                                             attn_mask=bias[None, None].to(query.dtype), scale=scale)
+                                             attn_mask=bias[None, None], scale=scale)
         outs.append(out.reshape(hq, d))
     return torch.stack(outs).view(b, 1, hq, d)
 

@@ -170,6 +170,16 @@ def warm_up(model) -> None:
         model(input_ids=torch.ones(1, 16, dtype=torch.long, device=device), use_cache=False)
 
 
+def _with_progress(runs: list[tuple[int, str, float | None]], progress: bool) -> Iterator[tuple[int, str, float | None]]:
+    """The runs, under a progress bar naming the one in flight."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(runs, desc="bench", disable=not progress, leave=False)
+    for run in bar:
+        bar.set_postfix_str(f"{run[1]}@{run[2] if run[2] is not None else 1} ctx {run[0]}")
+        yield run
+
+
 def run_planned(model, ids: torch.Tensor, run: tuple[int, str, float | None], steps: int, repeats: int,
                 prefill_chunk: int | None, strategy: str | None, cache_kwargs: dict | None) -> BenchRow:
     context, policy, budget = run
@@ -190,13 +200,9 @@ def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: l
     per run. ``strategy``: the strategy JSON of ``polykv`` (default: the one shipped for the
     model); ``cache_kwargs`` go to every ``make_cache`` (e.g. ``tiers="int2"``). Peak memory of a
     run here includes what earlier runs left in the allocator: ``bench_isolated`` avoids that."""
-    from tqdm.auto import tqdm
-
     ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
     warm_up(model)
-    bar = tqdm(planned_runs(contexts, policies, budgets), desc="bench", disable=not progress, leave=False)
-    for run in bar:
-        bar.set_postfix_str(f"{run[1]}@{run[2] if run[2] is not None else 1} ctx {run[0]}")
+    for run in _with_progress(planned_runs(contexts, policies, budgets), progress):
         yield run_planned(model, ids, run, steps, repeats, prefill_chunk, strategy, cache_kwargs)
 
 
@@ -211,11 +217,7 @@ def bench_isolated(model_name: str, dtype: str, device: str, contexts: list[int]
     import subprocess
     import sys
 
-    from tqdm.auto import tqdm
-
-    bar = tqdm(planned_runs(contexts, policies, budgets), desc="bench", disable=not progress, leave=False)
-    for run in bar:
-        bar.set_postfix_str(f"{run[1]}@{run[2] if run[2] is not None else 1} ctx {run[0]}")
+    for run in _with_progress(planned_runs(contexts, policies, budgets), progress):
         spec = dict(model=model_name, dtype=dtype, device=device, run=list(run), text=text_path, steps=steps,
                     repeats=repeats, prefill_chunk=prefill_chunk, strategy=strategy, cache_kwargs=cache_kwargs or {})
         done = subprocess.run([sys.executable, "-m", "vlm_kv.bench_worker", json.dumps(spec)],

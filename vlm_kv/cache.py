@@ -311,6 +311,7 @@ class CompressedCache(Cache):
         self.chunked_prefills = 0
         self._layerwise = None       # the prefill's layer-by-layer eviction step in flight
         self._fresh_forward = False  # the user's call this forward belongs to started on an empty cache
+        self._evicts_at_end = True   # this forward leaves all eviction to its end (not layer by layer)
         self.call_started_empty: bool | None = None  # set by the model pre-hook for every user call
         self.in_chunk_loop = False   # the pre-hook is feeding a long prompt's chunks
         # called with the cache after every eviction step (diagnostics, recorders)
@@ -368,6 +369,7 @@ class CompressedCache(Cache):
         self.ledger.announce(input_ids, attention_mask, q_len)
         self._layerwise = None
         self._fresh_forward = self.call_started_empty if self.call_started_empty is not None else self.is_empty()
+        self._evicts_at_end = not self._fresh_forward or self.router is not None
         attention.begin_forward()
 
     def is_empty(self) -> bool:
@@ -382,13 +384,13 @@ class CompressedCache(Cache):
         fed in chunks): if it fails half-way, undoing it means emptying the cache, and nothing
         held before the call is lost. A new turn on a non-empty cache, and a tiered cache, evict
         at the end of the forward."""
-        if not self._fresh_forward or self.router is not None:
+        if self._evicts_at_end:
             return
         start = time.perf_counter()
         if self._layerwise is None:
             self._layerwise = self.evictor.begin_layerwise(self.ledger, self.num_layers)
-            if self._layerwise is None:
-                self._fresh_forward = False  # not splittable by layer: the end-of-forward step does it all
+            if self._layerwise is None:  # not splittable by layer: the end-of-forward step does it all
+                self._evicts_at_end = True
                 return
         self.peak_kv_bytes = max(self.peak_kv_bytes, sum(report.layer_kv_bytes(l) for l in self.layers))
         self.evictor.evict_layer(self._layerwise, layer, self.ledger)

@@ -16,6 +16,7 @@ from vlm_kv.allocation import Allocation, GlobalTopK
 from vlm_kv.budget import Budget
 from vlm_kv.ledger import TokenLedger
 from vlm_kv.policies.base import ScoreContext, Scorer, protect, protected_counts
+from vlm_kv.storage import PaddedView
 
 
 class Evictor:
@@ -93,6 +94,12 @@ class Evictor:
         self.eviction_steps += 1
         self.evicted_entries += entries_before - entries_after
 
+    def global_scores(self, scorer: Scorer, layer, caps: torch.Tensor, ledger: TokenLedger,
+                      num_layers: int) -> tuple[torch.Tensor, PaddedView]:
+        """One layer's scores for a global allocation (every layer at the sequence's capacity), and the view."""
+        view = layer.store.padded_view(with_values=False, states=self.scorer.state_names)
+        return self.layer_scores(scorer, layer, view, caps, ledger, num_layers), view
+
     def keep_layer(self, scorer: Scorer, step_allocation: Allocation, layer, caps: torch.Tensor,
                    ledger: TokenLedger, num_layers: int) -> torch.Tensor:
         """Keep mask of one layer under a per-layer (not global) allocation."""
@@ -106,16 +113,11 @@ class Evictor:
     def evict(self, layers: Sequence, ledger: TokenLedger) -> None:
         """One eviction step over every layer; afterwards the cache holds at most its budget."""
         caps, scorer, step_allocation = self.begin_step(ledger)
-        states = self.scorer.state_names
         before = sum(layer.store.num_entries() for layer in layers)
         num_layers = len(layers)
         if step_allocation.is_global:
-            scores, modality = [], []
-            for layer in layers:
-                view = layer.store.padded_view(with_values=False, states=states)
-                scores.append(self.layer_scores(scorer, layer, view, caps, ledger, num_layers))
-                modality.append(view.modality)
-            keeps = step_allocation.keep_all(scores, caps, modality)
+            scored = [self.global_scores(scorer, layer, caps, ledger, num_layers) for layer in layers]
+            keeps = step_allocation.keep_all([sc for sc, _ in scored], caps, [view.modality for _, view in scored])
         else:
             keeps = [self.keep_layer(scorer, step_allocation, layer, caps, ledger, num_layers) for layer in layers]
         for layer, keep in zip(layers, keeps):
@@ -141,8 +143,7 @@ class Evictor:
         """Evict from one layer what the step will not keep, as soon as its attention has run."""
         entries = layer.store.num_entries()
         if step.allocation.is_global:
-            view = layer.store.padded_view(with_values=False, states=self.scorer.state_names)
-            scores = self.layer_scores(step.scorer, layer, view, step.caps, ledger, step.num_layers)
+            scores, _ = self.global_scores(step.scorer, layer, step.caps, ledger, step.num_layers)
             keep = step.never_dropped(scores, step.caps * (step.num_layers * scores.shape[1]))
             step.dropped += entries - int(keep.sum())
         else:

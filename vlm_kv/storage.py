@@ -25,6 +25,14 @@ import torch
 from vlm_kv.models.adapters import MODALITIES
 
 
+def own_head_bias(entry_head: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
+    """[num_kv_heads * group, n] float32 additive mask: 0 where entry j (of KV head
+    ``entry_head[j]``) belongs to query head i's KV head (``i // group``), -inf elsewhere."""
+    query_head = torch.arange(num_kv_heads * group, device=entry_head.device) // group
+    own = entry_head.long()[None, :] == query_head[:, None]
+    return torch.zeros(own.shape, dtype=torch.float32, device=entry_head.device).masked_fill_(~own, float("-inf"))
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of storage the tensors hold (their whole storage, not just the viewed part)."""
     seen, total = set(), 0
@@ -135,10 +143,7 @@ class VarlenKVStore:
         key = (b, group)
         if key not in self._head_bias:
             start, count = self._batch_spans[b]
-            heads = torch.arange(self.num_kv_heads, device=self.device).repeat_interleave(group)
-            own = self.entry_head[start : start + count].long()[None, :] == heads[:, None]
-            zeros = torch.zeros(own.shape, dtype=torch.float32, device=self.device)
-            self._head_bias[key] = zeros.masked_fill_(~own, float("-inf"))
+            self._head_bias[key] = own_head_bias(self.entry_head[start : start + count], self.num_kv_heads, group)
         return self._head_bias[key]
 
     def body_table(self) -> tuple[torch.Tensor, torch.Tensor]:
