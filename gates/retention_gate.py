@@ -103,5 +103,36 @@ class RetentionGates(nn.Module):
             logits = F.linear(x, self.heads[layer_idx].weight) + self.biases[layer_idx]
         return F.logsigmoid(logits.float()).transpose(1, 2)
 
+    @torch.no_grad()
+    def log_beta_stacked(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every layer's gate at once: hidden [L, N, d] (layer l's rows in ``hidden[l]``, all
+        ``num_layers`` layers) -> log beta [L, N, H] in float32. Inference only.
+
+        A decode step feeds one token through 30 layers; one batched matmul per gate layer costs
+        a fifth of 30 separate small gate calls (0.32 vs 1.54 ms a token for SmolLM2's gates)."""
+        weights, biases, head_w, head_b = self._stacked()
+        x = hidden.to(weights[0].dtype)
+        for w, b in zip(weights, biases):
+            x = F.silu(torch.baddbmm(b, x, w))
+        logits = torch.baddbmm(head_b, x, head_w) if head_w.dim() == 3 else F.linear(x, head_w) + head_b
+        return F.logsigmoid(logits.float())
+
+    def _stacked(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        # rebuilt whenever a parameter changed in place (an optimizer step, load_state_dict)
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        cached = getattr(self, "_stacked_cache", None)
+        if cached is None or cached[0] != key:
+            trunks = [[m for m in t.net if isinstance(m, nn.Linear)] for t in self.trunks]
+            weights = [torch.stack([t[i].weight.t() for t in trunks]) for i in range(len(trunks[0]))]
+            biases = [torch.stack([t[i].bias for t in trunks])[:, None] for i in range(len(trunks[0]))]
+            if self.shared:
+                head_w, head_b = self.head.weight, self.bias
+            else:
+                head_w = torch.stack([h.weight.t() for h in self.heads])
+                head_b = self.biases[:, None]
+            cached = (key, (weights, biases, head_w.detach(), head_b.detach()))
+            self._stacked_cache = cached
+        return cached[1]
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -79,7 +79,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         record = self.cache.ledger.enter(b, q, key_states.device)
         self.store.append(key_states, value_states, self.seen, record.modality, record.valid, record.all_valid)
-        if self.cache.gates is not None:
+        if self.cache.gates is not None and not self.cache.gate_input_stored(self.layer_idx, b, q):
             self.store.set_tail_state("log_beta", self.cache.take_log_beta(self.layer_idx, b, q))
         self.seen += q
         attention.hand_over(self)
@@ -304,7 +304,13 @@ class CompressedCache(Cache):
         self._triton_decode: bool | None = None
         self.num_layers = adapter.num_layers
         self.gates = gates
-        self.gate_stash: dict[int, torch.Tensor] = {}
+        self.gate_stash: dict[int, torch.Tensor] = {}  # log beta of the tokens about to enter a layer
+        # decode steps defer the gates to the end of the forward, where one batched call serves
+        # every layer: the hidden state each layer's gate will read ([L, B, d], one row per layer),
+        # which layers have it, and which of those already stored their token
+        self.gate_inputs: torch.Tensor | None = None
+        self.gate_inputs_waiting: set[int] = set()
+        self.gate_inputs_stored: set[int] = set()
         self.max_kv_bytes = 0      # most key/value bytes held right after an eviction step
         self.peak_kv_bytes = 0     # most held at any forward's end (just before its eviction step)
         self.evict_seconds = 0.0   # wall time spent in eviction steps
@@ -365,7 +371,7 @@ class CompressedCache(Cache):
     # ------------------------------------------------------------ forward
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_len: int | None) -> None:
         """Before each forward (the model pre-hook): what only the model inputs know."""
-        self.gate_stash.clear()
+        self._clear_gate_hand_offs()
         self.ledger.announce(input_ids, attention_mask, q_len)
         self._layerwise = None
         self._fresh_forward = self.call_started_empty if self.call_started_empty is not None else self.is_empty()
@@ -399,10 +405,11 @@ class CompressedCache(Cache):
     def end_forward(self) -> None:
         """After each forward (the model post-hook): check hand-offs, then evict if it is time."""
         attention.end_forward()
-        if self.gate_stash:
-            left = sorted(self.gate_stash)
-            self.gate_stash.clear()
+        left = sorted(set(self.gate_stash) | self.gate_inputs_waiting)
+        if left:
+            self._clear_gate_hand_offs()
             raise CacheMisuseError(f"gate outputs for layers {left} were computed but never stored in the cache")
+        self._store_deferred_log_betas()
         q = self.ledger.end_forward()
         if q and self.evictor.due(q):
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes()["total"])
@@ -412,7 +419,7 @@ class CompressedCache(Cache):
         """The forward raised: drop its hand-offs and the tokens some layers already stored, so the
         cache is as it was before the call (nothing of what it held is lost)."""
         attention.end_forward_quietly()
-        self.gate_stash.clear()
+        self._clear_gate_hand_offs()
         self.ledger.abort_forward()
         self._layerwise = None
         if self._fresh_forward:  # the call started empty (and may have evicted layer by layer): empty it again
@@ -429,6 +436,41 @@ class CompressedCache(Cache):
     def stash_log_beta(self, layer_idx: int, log_beta: torch.Tensor) -> None:
         """Gate output for the tokens about to enter ``layer_idx`` ([B, H, Q])."""
         self.gate_stash[layer_idx] = log_beta
+
+    def defer_gate(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """Keep the hidden state of a one-token step entering ``layer_idx`` ([B, 1, d]); its
+        gate runs with every other layer's at the end of the forward."""
+        b, _, d = hidden.shape
+        if self.gate_inputs is None or self.gate_inputs.shape[1:] != (b, d) or self.gate_inputs.dtype != hidden.dtype:
+            self.gate_inputs = hidden.new_empty(self.num_layers, b, d)
+        self.gate_inputs[layer_idx].copy_(hidden[:, 0])
+        self.gate_inputs_waiting.add(layer_idx)
+
+    def gate_input_stored(self, layer_idx: int, batch: int, q: int) -> bool:
+        """The layer stored its one new token, whose log beta follows at the end of the forward."""
+        if layer_idx not in self.gate_inputs_waiting:
+            return False
+        if q != 1 or self.gate_inputs.shape[1] != batch:
+            raise CacheMisuseError(f"layer {layer_idx} stored {batch}x{q} tokens but its gate saw {self.gate_inputs.shape[1]}x1")
+        self.gate_inputs_waiting.discard(layer_idx)
+        self.gate_inputs_stored.add(layer_idx)
+        return True
+
+    def _store_deferred_log_betas(self) -> None:
+        if not self.gate_inputs_stored:
+            return
+        with torch.no_grad():
+            log_beta = self.gates.log_beta_stacked(self.gate_inputs)  # [L, B, H]
+        b = log_beta.shape[1]
+        for idx in sorted(self.gate_inputs_stored):
+            self.stash_log_beta(idx, log_beta[idx].unsqueeze(-1))
+            self.layers[idx].store.set_tail_state("log_beta", self.take_log_beta(idx, b, 1))
+        self.gate_inputs_stored.clear()
+
+    def _clear_gate_hand_offs(self) -> None:
+        self.gate_stash.clear()
+        self.gate_inputs_waiting.clear()
+        self.gate_inputs_stored.clear()
 
     def take_log_beta(self, layer_idx: int, batch: int, q: int) -> torch.Tensor:
         log_beta = self.gate_stash.pop(layer_idx, None)
@@ -464,7 +506,7 @@ class CompressedCache(Cache):
         """Empty the cache for a new conversation: every layer and what the ledger counted."""
         super().reset()
         self.ledger.reset()
-        self.gate_stash.clear()
+        self._clear_gate_hand_offs()
         self._layerwise = None
         self.evictor.decode_steps_since_eviction = 0
 

@@ -129,6 +129,9 @@ def inference_gate_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     cache = _cache_of(kwargs)
     if isinstance(cache, CompressedCache) and cache.gates is not None and hidden is not None:
+        if hidden.shape[1] == 1:  # a decode step: batched with every layer at the end of the forward
+            cache.defer_gate(module.layer_idx, hidden)
+            return
         with torch.no_grad():
             cache.stash_log_beta(module.layer_idx, cache.gates.log_beta(module.layer_idx, hidden))
 

@@ -59,7 +59,7 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     total = sum(per_layer)
     metadata = sum(store.meta_bytes() for store in _stores(cache)) + sum(t.meta_bytes() for t in _tiers(cache))
     query_window = sum(layer.query_window_bytes() for layer in cache.layers)
-    gate_stash = tensor_bytes(*cache.gate_stash.values())
+    gate_stash = tensor_bytes(*cache.gate_stash.values(), cache.gate_inputs)
     return {
         "total": total,
         "per_layer": per_layer,

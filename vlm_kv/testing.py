@@ -662,7 +662,7 @@ def tiny_processor(family: str):
     )
 
 
-def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16):
+def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16, coupled: bool = True):
     """Random-weight retention gates that fit ``model``, with rates spread so eviction has choices."""
     from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
     from vlm_kv.models.adapters import get_adapter
@@ -671,7 +671,7 @@ def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16):
     torch.manual_seed(seed)
     gates = RetentionGates(GateConfig(kind=kind, hidden_size=adapter.hidden_size, num_layers=adapter.num_layers,
                                       num_kv_heads=adapter.num_kv_heads, width=width, init_bias=1.0,
-                                      model=adapter.fingerprint()))
+                                      coupled=coupled, model=adapter.fingerprint()))
     for p in gates.parameters():
         torch.nn.init.normal_(p, std=1.0)
     return gates

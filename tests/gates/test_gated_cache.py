@@ -1,4 +1,5 @@
 """Learned-gate eviction inside the cache: global top-k, per-head top-M, modality floors/caps."""
+import pytest
 import torch
 
 import vlm_kv
@@ -133,3 +134,88 @@ def test_gated_generate_with_images_holds_the_budget():
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 12
     assert cache.max_kv_bytes <= cache.budget_bytes() and cache.eviction_steps >= 3
+
+
+def test_decode_steps_store_each_layers_gate_output_and_keep_the_global_top_k():
+    """Decode steps run every layer's gate in one batched call at the end of the forward: each
+    stored token still carries its own layer's log beta, and eviction keeps the global top-k."""
+    model = tiny_model("llama", num_layers=3)
+    gates = _gates(model)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=gates, evict_every=1,
+                              scorer_kwargs={"num_sinks": 0})
+    seen = _record_log_betas(cache)
+    hidden = {}  # the hidden state each layer's attention saw, per forward
+
+    def keep_hidden(module, args, kwargs):
+        hidden.setdefault(module.layer_idx, []).append(kwargs["hidden_states"].clone())
+
+    for module in get_adapter(model).attention_modules(model):
+        module.register_forward_pre_hook(keep_hidden, with_kwargs=True)
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids[:, :32], past_key_values=cache)
+        for t in range(32, 40):
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+            for layer in range(3):  # the newest entry holds this layer's gate output for its token
+                want = gates.log_beta(layer, hidden[layer][-1])
+                torch.testing.assert_close(seen[layer][-1], want, rtol=1e-5, atol=1e-5)  # batched matmul rounding
+                store = cache.layers[layer].store
+                view = store.padded_view(states=("log_beta",))
+                newest = (view.positions == t) & view.valid
+                heads = newest.any(-1)  # [B, H]: the heads that kept it through this step's eviction
+                assert int(newest.sum()) == int(heads.sum())
+                torch.testing.assert_close(view.state["log_beta"][newest], want[..., 0][heads])
+    assert all(len(seen[layer]) == 9 for layer in range(3))  # the prompt and 8 decode steps
+
+
+def _held(cache):
+    """[(layer, batch, head) -> set of positions held]."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        view = layer.store.padded_view()
+        for h in range(view.positions.shape[1]):
+            out[i, h] = set(view.positions[0, h][view.valid[0, h]].tolist())
+    return out
+
+
+def test_each_decode_eviction_keeps_the_global_top_k_of_what_it_held():
+    """With gate outputs of decode steps stored at the end of each forward, every eviction step
+    keeps the best-scoring entries over all layers and heads among those held before it."""
+    model = tiny_model("llama", num_layers=3)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=_gates(model), evict_every=1,
+                              scorer_kwargs={"num_sinks": 0})
+    seen = _record_log_betas(cache)
+    ids = torch.randint(5, 200, (1, 44), generator=torch.Generator().manual_seed(3))
+    steps_that_dropped = 0
+    with torch.no_grad():
+        model(input_ids=ids[:, :32], past_key_values=cache)
+        for t in range(32, 44):
+            before = _held(cache)
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+            after = _held(cache)
+            scores = _all_scores(cache, seen)
+            kept, dropped = [], []
+            for (layer, h), held in before.items():
+                candidates = held | {t}
+                assert after[layer, h] <= candidates
+                kept += [float(scores[layer][0, h, p]) for p in after[layer, h]]
+                dropped += [float(scores[layer][0, h, p]) for p in candidates - after[layer, h]]
+            assert len(kept) == 3 * 2 * int(0.25 * (t + 1))  # layers x KV heads x budget
+            if dropped:  # (a fractional budget grows by one entry every fourth step: nothing to drop)
+                assert min(kept) >= max(dropped)
+                steps_that_dropped += 1
+    assert steps_that_dropped >= 6
+    assert len({len(v) for v in after.values()}) > 1  # the heads hold different numbers of entries
+
+
+def test_a_gate_input_never_stored_is_an_error():
+    model = tiny_model("llama", num_layers=3)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.5, gates=_gates(model))
+    with torch.no_grad():
+        model(input_ids=torch.randint(5, 200, (1, 16)), past_key_values=cache)
+    cache.defer_gate(1, torch.randn(1, 1, model.config.hidden_size))  # a gate ran, its layer never stored
+    with pytest.raises(vlm_kv.CacheMisuseError, match=r"layers \[1\].*never stored"):
+        cache.end_forward()
+    with torch.no_grad():  # nothing is left behind: the next step works
+        model(input_ids=torch.randint(5, 200, (1, 1)), past_key_values=cache)
+    assert cache.get_seq_length() == 17
