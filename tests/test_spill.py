@@ -193,9 +193,12 @@ def test_spill_settings_are_checked():
         vlm_kv.make_cache(model, policy="h2o", budget=0.5, spill=True)
 
 
-def test_spill_copies_pin_only_for_cuda():
+def test_spill_copies_stay_on_the_host_pinned_only_where_pinning_exists():
     assert SpillCopies.pin_for(torch.device("cpu")) is False
-    copies = SpillCopies.from_device(torch.ones(2, 8, 4, dtype=torch.bfloat16), torch.zeros(2, 8, 4, dtype=torch.bfloat16),
-                                     pin=False)
-    picked = copies.select(torch.tensor([1]), pin=False)
+    keys, values = torch.ones(2, 8, 4, dtype=torch.bfloat16), torch.zeros(2, 8, 4, dtype=torch.bfloat16)
+    # asked to pin: pinned where an accelerator allocator exists, pageable host memory (not an error) elsewhere
+    copies = SpillCopies.from_device(keys, values, pin=True)
+    assert copies.keys.device.type == "cpu" and copies.keys.is_pinned() == torch.cuda.is_available()
+    picked = copies.select(torch.tensor([1]), pin=True)
     assert picked.keys.device.type == "cpu" and picked.nbytes() == 2 * 8 * 4 * 2
+    assert torch.equal(picked.keys, keys[1:]) and torch.equal(picked.values, values[1:])
