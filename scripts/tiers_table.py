@@ -3,7 +3,7 @@
     python scripts/tiers_table.py docs/tiers > docs/tiers/table.md
 
 Each run folder is one ``vlm-kv sweep --task fidelity`` output; its settings say the dtype (model
-name) and the cache options (tiers, int2_share, key_rope). Writes ``<folder>/fidelity_pg84.csv`` and ``<folder>/kl_vs_bytes_bf16.png``.
+name) and the cache options (tiers, int2_share, key_rope, spill). Writes ``<folder>/fidelity_pg84.csv`` and ``<folder>/kl_vs_bytes_bf16.png``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = ["dtype", "tiers", "int2_share", "window", "key_rope", "policy", "budget", "kl", "top1", "nll", "full_nll",
+COLUMNS = ["dtype", "tiers", "int2_share", "window", "key_rope", "spill", "policy", "budget", "kl", "top1", "nll", "full_nll",
            "held_fraction", "max_kv_bytes", "full_kv_bytes", "decode_ms_per_token", "run"]
 
 
@@ -33,6 +33,7 @@ def rows(folder: Path) -> list[dict]:
                 "int2_share": kw.get("int2_share", 0.7 if tiered and r["policy"] != "kivi2" else ""),
                 "window": kw.get("window", 32 if r["policy"] == "kivi2" else 8) if tiered else "",
                 "key_rope": kw.get("key_rope", "post") if tiered else "",
+                "spill": "yes" if kw.get("spill") else "",
                 "policy": r["policy"], "budget": r["budget"], "kl": r["kl"], "top1": r["top1"], "nll": r["nll"],
                 "full_nll": r["full_nll"], "held_fraction": r["max_kv_bytes"] / r["full_kv_bytes"],
                 "max_kv_bytes": r["max_kv_bytes"], "full_kv_bytes": r["full_kv_bytes"],
@@ -56,6 +57,8 @@ def plot(table: list[dict], path: Path) -> None:
             continue
         label = f"{r['policy']} + INT2 tiers" if r["tiers"] == "int2" and r["policy"] not in ("qevict", "kivi2") \
             else r["policy"]
+        if r["spill"]:
+            label += " + spill"
         lines.setdefault(label, []).append((r["held_fraction"], r["kl"]))
     for label, pts in sorted(lines.items()):
         pts.sort()
@@ -78,10 +81,10 @@ def main(folder: str) -> None:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(table)
-    print("| dtype | budget | policy | tiers | q | w | keys | KV held (max) | KL | top-1 | NLL (full) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| dtype | budget | policy | tiers | q | w | keys | spill | KV held (max) | KL | top-1 | NLL (full) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in table:
-        print(f"| {r['dtype']} | {r['budget']} | {r['policy']} | {r['tiers']} | {r['int2_share']} | {r['window']} | {r['key_rope']} | "
+        print(f"| {r['dtype']} | {r['budget']} | {r['policy']} | {r['tiers']} | {r['int2_share']} | {r['window']} | {r['key_rope']} | {r['spill']} | "
               f"{r['held_fraction']:.3f} | {r['kl']:.4f} | {r['top1']:.3f} | {r['nll']:.4f} ({r['full_nll']:.4f}) |")
 
 

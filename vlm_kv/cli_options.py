@@ -14,6 +14,9 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None, help="with --tiers: tokens per INT2 window (default 8)")
     p.add_argument("--key-rope", choices=("post", "pre"), default=None,
                    help="with --tiers: quantize keys as cached (post-RoPE, default) or rotated back to pre-RoPE")
+    p.add_argument("--spill", action="store_true", default=None,
+                   help="with --tiers: keep the original FP keys/values of quantized windows in host memory so "
+                        "promotion is lossless (host bytes, outside the budget; reported as the 'spill' tier)")
 
 
 def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -27,8 +30,10 @@ def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["window"] = args.window
     if getattr(args, "key_rope", None) is not None:
         kw["key_rope"] = args.key_rope
+    if getattr(args, "spill", None):
+        kw["spill"] = True
     if kw and "tiers" not in kw:
-        raise ValueError("--int2-share, --window and --key-rope configure the INT2 tier: add --tiers int2")
+        raise ValueError("--int2-share, --window, --key-rope and --spill configure the INT2 tier: add --tiers int2")
     if kw:
         from vlm_kv.tier_router import TierConfig
 

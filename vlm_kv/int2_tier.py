@@ -9,6 +9,14 @@ A promotion dequantizes the codes back into the FP store and leaves the entry *d
 demotion reuses the stored codes instead of quantizing the (already lossy) FP copy again, so
 error never compounds. Evicting a window drops its entry.
 
+Optional *spill tier* (``spill=True``, off by default): every ledger entry also keeps the window's
+original full-precision keys (as cached, post-RoPE) and values in host memory (CPU tensors,
+pinned when the cache lives on CUDA and pinning works), so a promotion restores the exact
+original entries instead of the dequantized codes. The host copies live and die with their
+ledger entry (dormant entries keep theirs, evicted windows drop theirs). They are host memory,
+not device memory: the byte budget does not count them; ``kv_bytes()["per_tier"]["spill"]``
+reports them.
+
 Only complete windows (every position already seen) are ever quantized, so no new token can
 join a window that lives in INT2; the router guarantees it.
 """
@@ -80,6 +88,72 @@ class QuantizedWindows:
 
 
 @dataclass
+class SpillCopies:
+    """Original full-precision keys and values of ``n`` windows in host memory ([n, w, D] each,
+    model dtype), in ledger order. Rebuilt exactly sized, so dropped windows free their bytes."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @staticmethod
+    def pin_for(device: torch.device) -> bool:
+        """Pin host copies when the cache is on CUDA (faster, asynchronous-capable host-to-device copies)."""
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    @classmethod
+    def empty(cls, window: int, head_dim: int, dtype: torch.dtype) -> "SpillCopies":
+        return cls(torch.empty(0, window, head_dim, dtype=dtype), torch.empty(0, window, head_dim, dtype=dtype))
+
+    @classmethod
+    def from_device(cls, keys: torch.Tensor, values: torch.Tensor, pin: bool) -> "SpillCopies":
+        return cls(_to_host(keys, pin), _to_host(values, pin))
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def select(self, idx: torch.Tensor, pin: bool) -> "SpillCopies":
+        idx = idx.cpu()
+        return SpillCopies(_host_select(self.keys, idx, pin), _host_select(self.values, idx, pin))
+
+    @staticmethod
+    def cat(parts: list["SpillCopies"], pin: bool) -> "SpillCopies":
+        return SpillCopies(_host_cat([p.keys for p in parts], pin), _host_cat([p.values for p in parts], pin))
+
+    def restore(self, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[len(idx), w, D] original keys and values of windows ``idx``, on ``device``."""
+        idx = idx.cpu()
+        return self.keys.index_select(0, idx).to(device), self.values.index_select(0, idx).to(device)
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # no pinnable memory (driver, container limits): pageable host memory still works
+            pass
+    return torch.empty(shape, dtype=dtype)
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = _pinned_empty(tuple(t.shape), t.dtype, pin)
+    out.copy_(t)  # blocking: the source may be overwritten by the next store rebuild
+    return out
+
+
+def _host_select(t: torch.Tensor, idx: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = _pinned_empty((idx.numel(),) + tuple(t.shape[1:]), t.dtype, pin)
+    return torch.index_select(t, 0, idx, out=out)
+
+
+def _host_cat(ts: list[torch.Tensor], pin: bool) -> torch.Tensor:
+    out = _pinned_empty((sum(t.shape[0] for t in ts),) + tuple(ts[0].shape[1:]), ts[0].dtype, pin)
+    return torch.cat(ts, out=out)
+
+
+@dataclass
 class TierCounters:
     """What moved between tiers since the cache was built."""
 
@@ -88,6 +162,7 @@ class TierCounters:
     demotions: int = 0        # FP -> INT2, windows
     promotions: int = 0       # INT2 -> FP, windows
     evicted_windows: int = 0  # INT2 windows evicted
+    lossless_promotions: int = 0  # promotions restored from the spill tier's original copies
 
 
 @dataclass
@@ -103,7 +178,7 @@ class Int2Tier:
     """Quantized windows of one layer: the INT2 tier (active entries) and the dormant ledger."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype,
-                 device: torch.device, state_names: tuple[str, ...] = (), rope=None) -> None:
+                 device: torch.device, state_names: tuple[str, ...] = (), rope=None, spill: bool = False) -> None:
         if head_dim % 4:
             raise ValueError(f"INT2 packs four channels per byte: head_dim {head_dim} must be a multiple of 4")
         self.batch_size = batch_size
@@ -124,6 +199,9 @@ class Int2Tier:
         self._num_active = 0  # read on every decode step: kept as an int, no device sync
         self._layout_cache: dict | None = None
         self.counters = TierCounters()
+        # host copies of the original FP windows, aligned with the ledger (spill tier), or None
+        self.pin_spill = SpillCopies.pin_for(device)
+        self.spill = SpillCopies.empty(window, head_dim, dtype) if spill else None
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -150,6 +228,11 @@ class Int2Tier:
             return {"int2": 0, "scales": 0, "ledger": 0}
         code, grid = self.codes.code_bytes() // n, self.codes.grid_bytes() // n
         return {"int2": active * code, "scales": active * grid, "ledger": (n - active) * (code + grid)}
+
+    def spill_bytes(self) -> int:
+        """Host bytes of the spill tier's original FP copies (0 without spill). Not device memory:
+        not in ``tier_bytes`` and not counted against the byte budget."""
+        return self.spill.nbytes() if self.spill is not None else 0
 
     def meta_bytes(self) -> int:
         return tensor_bytes(self.row, self.window_id, self.positions, self.modality, self.active, *self.state.values())
@@ -250,8 +333,11 @@ class Int2Tier:
                 new: "NewWindows | None") -> None:
         """Keep ledger entries ``keep`` [n] with activity ``active`` [n]; ``refreshed`` overwrites
         positions/modality/state of kept entries (rows given by ``refreshed['index']``, into the
-        kept order) and ``new`` appends freshly quantized windows (active)."""
+        kept order) and ``new`` appends freshly quantized windows (active). The spill tier
+        follows the ledger: kept entries keep their host copies, dropped ones free them."""
         idx = torch.nonzero(keep).flatten()
+        if self.spill is not None:
+            self._rebuild_spill(idx, new)
         codes = self.codes.select(idx)
         row, wid = self.row[idx], self.window_id[idx]
         positions, modality = self.positions[idx], self.modality[idx]
@@ -274,6 +360,15 @@ class Int2Tier:
         self._num_active = int(act.sum())
         self._layout_cache = None
 
+    def _rebuild_spill(self, idx: torch.Tensor, new: "NewWindows | None") -> None:
+        added = new is not None and len(new.codes) > 0
+        if added and (new.spill is None or len(new.spill) != len(new.codes)):
+            raise RuntimeError("spill tier: every newly quantized window needs its host copy")
+        if not added and idx.numel() == len(self.spill):
+            return  # nothing dropped, nothing added: no host copy to move
+        spill = self.spill.select(idx, self.pin_spill) if idx.numel() != len(self.spill) else self.spill
+        self.spill = SpillCopies.cat([spill, new.spill], self.pin_spill) if added else spill
+
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every sequence's windows ``repeats`` times (as ``VarlenKVStore.repeat_batch``)."""
         if repeats == 1:
@@ -289,6 +384,8 @@ class Int2Tier:
         self.positions, self.modality = self.positions[idx], self.modality[idx]
         self.state = {k: t[idx] for k, t in self.state.items()}
         self.active = self.active[idx]
+        if self.spill is not None:
+            self.spill = self.spill.select(idx, self.pin_spill)
         self._num_active *= repeats
         self._layout_cache = None
         self.batch_size *= repeats
@@ -304,3 +401,4 @@ class NewWindows:
     positions: torch.Tensor
     modality: torch.Tensor
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    spill: SpillCopies | None = None  # their original FP copies on the host (spill tier only)

@@ -43,18 +43,23 @@ def tier_bytes(cache: "CompressedCache") -> dict[str, int]:
     """Bytes by tier: ``fp`` (keys and values in the model dtype), ``int2`` (2-bit codes of the
     windows attended from the INT2 tier), ``scales`` (their fp16 scales and zeros), ``ledger``
     (codes and grids kept for promoted windows, reused at their next demotion), ``spill`` (host
-    copies for lossless promotion: not kept by this cache, always 0)."""
+    memory: the original FP keys and values the spill tier keeps for lossless promotion, 0 unless
+    ``TierConfig(spill=True)``). ``spill`` is not device memory and not in ``total``: the byte
+    budget does not count it."""
     out = {"fp": sum(store.kv_bytes() for store in _stores(cache)), "int2": 0, "scales": 0, "ledger": 0, "spill": 0}
     for tier in _tiers(cache):
         for key, value in tier.tier_bytes().items():
             out[key] += value
+        out["spill"] += tier.spill_bytes()
     return out
 
 
 def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     """Bytes allocated: ``total`` (keys and values, per layer / modality / tier), and ``held``
     (total + metadata + query_window + gate_stash). ``unused`` is the part of ``total`` that is
-    spare tail capacity (at most ``evict_every`` tokens per head, released at each eviction step)."""
+    spare tail capacity (at most ``evict_every`` tokens per head, released at each eviction step).
+    ``total`` and ``held`` are the cache's device memory; the spill tier's host copies are only in
+    ``per_tier["spill"]`` (so ``per_tier`` sums to ``total + per_tier["spill"]``)."""
     per_layer = [layer_kv_bytes(layer) for layer in cache.layers]
     total = sum(per_layer)
     metadata = sum(store.meta_bytes() for store in _stores(cache)) + sum(t.meta_bytes() for t in _tiers(cache))
@@ -107,15 +112,17 @@ def _head_lengths(layer) -> torch.Tensor:
 
 
 def tier_stats(cache: "CompressedCache") -> dict[str, int]:
-    """Entries per tier and the moves between tiers (windows) since the cache was built."""
+    """Entries per tier and the moves between tiers (windows) since the cache was built;
+    ``spill_windows`` = windows with a host copy, ``lossless_promotions`` = promotions served from it."""
     tiers = _tiers(cache)
     out = {
         "fp_entries": sum(store.num_entries() for store in _stores(cache)),
         "int2_entries": sum(t.num_entries() for t in tiers),
         "int2_windows": sum(t.num_active for t in tiers),
         "ledger_windows": sum(len(t) - t.num_active for t in tiers),
+        "spill_windows": sum(len(t.spill) for t in tiers if t.spill is not None),
     }
-    for name in ("quantized", "ledger_reuses", "demotions", "promotions", "evicted_windows"):
+    for name in ("quantized", "ledger_reuses", "demotions", "promotions", "lossless_promotions", "evicted_windows"):
         out[name] = sum(getattr(t.counters, name) for t in tiers)
     return out
 

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 from vlm_kv.allocation import HeadAdaptive, top_k_mask
-from vlm_kv.int2_tier import Int2Tier, NewWindows, QuantizedWindows
+from vlm_kv.int2_tier import Int2Tier, NewWindows, QuantizedWindows, SpillCopies
 from vlm_kv.ledger import TokenLedger
 from vlm_kv.storage import Entries, PaddedView
 
@@ -52,12 +52,17 @@ class TierConfig:
     be evicted (0.7 in QEvict's main results). ``window`` (w): tokens per window, also the decode
     steps between routing events. ``quantize_all``: every complete window outside the protected
     zones goes to INT2 and nothing is evicted, whatever the budget (KIVI's recipe).
+    ``spill``: keep the original full-precision keys and values of every quantized window in host
+    memory (the spill tier), so a promotion restores them exactly instead of dequantizing. Host
+    bytes, reported as ``kv_bytes()["per_tier"]["spill"]``, are not counted against the (device)
+    byte budget; evicting a window frees its copy. Off by default.
     """
 
     int2_share: float = 0.7
     window: int = 8
     quantize_all: bool = False
     key_rope: str = "post"  # quantize keys as cached ("post" RoPE) or rotated back to "pre" RoPE
+    spill: bool = False
 
     def __post_init__(self) -> None:
         if self.key_rope not in ("post", "pre"):
@@ -67,6 +72,8 @@ class TierConfig:
             raise ValueError(f"int2_share must be in [0, 1), got {q!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1 (tokens per INT2 window), got {self.window!r}")
+        if not isinstance(self.spill, bool):
+            raise ValueError(f"spill must be True or False, got {self.spill!r}")
 
 
 def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedView, torch.Tensor | None]:
@@ -314,7 +321,8 @@ class TierRouter:
             promote = stay = keep_dormant = reactivate = torch.zeros(0, dtype=torch.bool, device=decision.device)
 
         insert = self._promoted_entries(tier, promote, store.state_names)
-        demoted = self._demoted_windows(r.fp, demote, w, Wn, store.state_names, tier.rope)
+        spill = tier.spill is not None
+        demoted = self._demoted_windows(r.fp, demote, w, Wn, store.state_names, tier.rope, keep_original=spill)
         # which demoted windows have a dormant ledger entry: reuse its codes
         new_windows, refreshed = None, None
         keep = stay | keep_dormant | promote | reactivate
@@ -342,24 +350,32 @@ class TierRouter:
                     row=demoted.row[idx], window_id=demoted.window_id[idx],
                     positions=demoted.positions[idx], modality=demoted.modality[idx],
                     state={k: v[idx] for k, v in demoted.state.items()},
+                    spill=SpillCopies.from_device(demoted.original_keys[idx], demoted.values[idx], tier.pin_spill)
+                    if spill else None,
                 )
             tier.counters.ledger_reuses += int(reused.sum())
             tier.counters.quantized += int(fresh.sum())
             tier.counters.demotions += int(reused.sum()) + int(fresh.sum())
         tier.counters.promotions += int(promote.sum())
+        if spill:
+            tier.counters.lossless_promotions += int(promote.sum())
         tier.rebuild(keep, active, refreshed, new_windows)
         store.compact(keep_fp, insert=insert)
 
     @staticmethod
     def _promoted_entries(tier: Int2Tier, promote: torch.Tensor, state_names: tuple[str, ...]) -> Entries | None:
-        """The entries of the promoted windows, dequantized back to the model dtype."""
+        """The entries of the promoted windows: their original copies from the spill tier when it
+        is on (lossless), else dequantized back to the model dtype."""
         idx = torch.nonzero(promote).flatten()
         if idx.numel() == 0:
             return None
-        keys, values = tier.codes.select(idx).dequantize(tier.dtype)
         pos = tier.positions[idx]
-        if tier.rope is not None:
-            keys = tier.rope.rotate(keys, pos).to(tier.dtype)
+        if tier.spill is not None:
+            keys, values = tier.spill.restore(idx, tier.device)  # post-RoPE keys as first cached
+        else:
+            keys, values = tier.codes.select(idx).dequantize(tier.dtype)
+            if tier.rope is not None:
+                keys = tier.rope.rotate(keys, pos).to(tier.dtype)
         present = pos >= 0
         w = tier.window
         return Entries(
@@ -371,8 +387,9 @@ class TierRouter:
 
     @staticmethod
     def _demoted_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names,
-                         rope=None) -> "_Windows | None":
-        """The FP entries of windows going to INT2, gathered per window ([n, w, ...], by slot)."""
+                         rope=None, keep_original: bool = False) -> "_Windows | None":
+        """The FP entries of windows going to INT2, gathered per window ([n, w, ...], by slot);
+        with ``keep_original`` also the keys as cached (post-RoPE) for the spill tier."""
         b, h, l = torch.nonzero(demote, as_tuple=True)
         if b.numel() == 0:
             return None
@@ -385,7 +402,8 @@ class TierRouter:
         slot = pos - wid * w
         D = fp.keys.shape[-1]
         dev = fp.keys.device
-        entry_keys = fp.keys[b, h, l]
+        cached_keys = fp.keys[b, h, l]
+        entry_keys = cached_keys
         if rope is not None:  # quantize pre-RoPE keys (rotated back at each entry's position)
             entry_keys = rope.unrotate(entry_keys, pos)
         keys = torch.zeros(n, w, D, dtype=entry_keys.dtype, device=dev)
@@ -400,6 +418,13 @@ class TierRouter:
         ar = torch.arange(n, device=dev)
         keys = torch.where(present[..., None], keys, keys[ar, first][:, None])
         values = torch.where(present[..., None], values, values[ar, first][:, None])
+        original_keys = None
+        if keep_original:
+            if rope is None:
+                original_keys = keys  # the cached keys themselves (empty slots are never restored)
+            else:
+                original_keys = torch.zeros(n, w, D, dtype=cached_keys.dtype, device=dev)
+                original_keys[inverse, slot] = cached_keys
         positions = torch.full((n, w), -1, dtype=torch.int32, device=dev)
         positions[inverse, slot] = pos.to(torch.int32)
         modality = torch.zeros(n, w, dtype=torch.uint8, device=dev)
@@ -409,7 +434,7 @@ class TierRouter:
             s = torch.zeros(n, w, dtype=torch.float32, device=dev)
             s[inverse, slot] = fp.state[name][b, h, l]
             state[name] = s
-        return _Windows(keys, values, key // Wn, key % Wn, positions, modality, state)
+        return _Windows(keys, values, key // Wn, key % Wn, positions, modality, state, original_keys)
 
 
 @dataclass
@@ -421,3 +446,4 @@ class _Windows:
     positions: torch.Tensor
     modality: torch.Tensor
     state: dict[str, torch.Tensor]
+    original_keys: torch.Tensor | None = None  # keys as cached (post-RoPE), for the spill tier

@@ -1,0 +1,204 @@
+"""Spill tier of the INT2 tiers: host copies of the original FP windows make promotion lossless,
+live and die with their ledger entries, stay outside the byte budget and show in the reports."""
+import argparse
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import vlm_kv
+from vlm_kv.cli_options import add_tier_args, tier_kwargs
+from vlm_kv.int2_tier import SpillCopies
+from vlm_kv.testing import record_evictions, tiny_gates, tiny_model
+from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig
+
+
+def _feed(model, cache, tokens, prefill):
+    outs = []
+    with torch.no_grad():
+        outs.append(model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True).logits)
+        for i in range(prefill, tokens.shape[1]):
+            outs.append(model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(outs, dim=1)
+
+
+def _tokens(n, batch=1, seed=0, vocab=256):
+    return torch.randint(5, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _original_kv(model, tokens):
+    """Per layer [B, H, T, D] keys and values as a full cache holds them (the originals)."""
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=tokens, past_key_values=ref, use_cache=True)
+    return [(layer.keys, layer.values) for layer in ref.layers]
+
+
+def _force(cache, key, decision_of_window):
+    """Route again with window ``key`` = (row, window id) of layer 0 forced to a decision."""
+    router = cache.router
+    decide = router._decide
+
+    def patched(layers, routings, allocation, scorer):
+        decisions, fallback = decide(layers, routings, allocation, scorer)
+        H = decisions[0].shape[1]
+        decisions[0][key[0] // H, key[0] % H, key[1]] = decision_of_window
+        return decisions, fallback
+
+    router._decide = patched
+    try:
+        cache.evict()
+    finally:
+        router._decide = decide
+
+
+def _fp_window(layer, key, w=8):
+    """Keys and values the FP store holds for window ``key`` of layer 0, in position order."""
+    view = layer.store.padded_view(with_values=True)
+    H = view.keys.shape[1]
+    b, h = key[0] // H, key[0] % H
+    pos = view.positions[b, h]
+    sel = view.valid[b, h] & ((pos // w) == key[1])
+    order = torch.argsort(pos[sel])
+    return pos[sel][order], view.keys[b, h][sel][order], view.values[b, h][sel][order]
+
+
+@pytest.mark.parametrize("spill, key_rope", [(True, "post"), (True, "pre"), (False, "post")])
+def test_promotion_restores_the_original_entries_only_with_spill(spill, key_rope):
+    model = tiny_model("llama")
+    tokens = _tokens(64, vocab=model.config.vocab_size)
+    originals = _original_kv(model, tokens)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", spill=spill, key_rope=key_rope)
+    _feed(model, cache, tokens, 64)
+    layer = cache.layers[0]
+    tier = layer.tier
+    assert tier.num_active > 0
+    key = (int(tier.row[0]), int(tier.window_id[0]))
+    _force(cache, key, FP)  # promotion
+    pos, keys, values = _fp_window(layer, key)
+    assert pos.numel() == 8
+    H = layer.store.num_kv_heads
+    ref_k = originals[0][0][key[0] // H, key[0] % H, pos]
+    ref_v = originals[0][1][key[0] // H, key[0] % H, pos]
+    counters = tier.counters
+    assert counters.promotions >= 1
+    if spill:
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)  # byte-identical
+        assert counters.lossless_promotions == counters.promotions
+    else:
+        assert not torch.equal(keys, ref_k) and not torch.equal(values, ref_v)  # dequantized, lossy
+        assert counters.lossless_promotions == 0
+    stats = cache.stats()["per_tier"]
+    assert stats["lossless_promotions"] == counters.lossless_promotions
+    # the promoted window's ledger entry is dormant and keeps its host copy while the ledger keeps the codes
+    if spill:
+        assert len(tier.spill) == len(tier) > tier.num_active
+        assert stats["spill_windows"] == sum(len(lay.tier) for lay in cache.layers)
+        # demoted again (codes reused) and promoted again: still the originals
+        _force(cache, key, INT2)
+        _force(cache, key, FP)
+        pos2, keys2, values2 = _fp_window(layer, key)
+        assert torch.equal(pos2, pos) and torch.equal(keys2, ref_k) and torch.equal(values2, ref_v)
+        assert tier.counters.ledger_reuses >= 1
+
+
+def test_spill_bytes_are_the_host_copies_and_fall_when_windows_are_evicted():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", spill=True)
+    _feed(model, cache, _tokens(64, vocab=model.config.vocab_size), 64)
+    tiers = [layer.tier for layer in cache.layers]
+    for tier in tiers:
+        assert tier.spill.keys.device.type == "cpu" and tier.spill.values.device.type == "cpu"
+        assert len(tier.spill) == len(tier)  # one host copy per ledger entry
+        assert tier.spill.keys.dtype == tier.dtype
+    host = sum(t.spill.keys.nbytes + t.spill.values.nbytes for t in tiers)
+    kv = cache.kv_bytes()
+    assert kv["per_tier"]["spill"] == host > 0
+    w, D = tiers[0].window, tiers[0].head_dim
+    dtype_bytes = torch.empty(0, dtype=tiers[0].dtype).element_size()
+    assert host == sum(len(t) for t in tiers) * 2 * w * D * dtype_bytes
+    # the host copies are outside the device total
+    assert sum(v for k, v in kv["per_tier"].items() if k != "spill") == kv["total"]
+
+    layer = cache.layers[0]
+    tier = layer.tier
+    key = (int(tier.row[0]), int(tier.window_id[0]))
+    before_layer, before_total = tier.spill_bytes(), cache.kv_bytes()["per_tier"]["spill"]
+    _force(cache, key, EVICT)
+    assert not bool(((tier.row == key[0]) & (tier.window_id == key[1])).any())
+    assert tier.spill_bytes() == before_layer - 2 * w * D * dtype_bytes
+    assert cache.kv_bytes()["per_tier"]["spill"] < before_total
+    assert tier.spill.keys.shape[0] == len(tier)  # exactly sized: the dropped copy's memory is gone
+
+
+@pytest.mark.parametrize("policy", ["qevict", "dbtrimkv"])
+def test_budget_holds_with_spill_and_excludes_the_host_copies(policy):
+    model = tiny_model("llama")
+    kw = {"gates": tiny_gates(model), "tiers": "int2"} if policy == "dbtrimkv" else {}
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, spill=True, **kw)
+    steps = record_evictions(cache)
+    spill_seen = []
+    evict = cache.evict
+
+    def watching():
+        evict()
+        spill_seen.append(cache.kv_bytes()["per_tier"]["spill"])
+
+    cache.evict = watching
+    _feed(model, cache, _tokens(64 + 160, batch=2, vocab=model.config.vocab_size), 64)
+    assert len(steps) == 1 + 160 // 8
+    for held, allowed in steps:
+        assert held <= allowed
+    # the host copies would not fit under the budget: they are really left out of it
+    assert max(spill_seen) > 0
+    assert any(held + s > allowed for (held, allowed), s in zip(steps, spill_seen))
+    stats = cache.stats()["per_tier"]
+    assert stats["spill_windows"] == stats["int2_windows"] + stats["ledger_windows"]
+
+
+def test_spill_with_budget_one_equals_dynamic_cache():
+    model = tiny_model("llama")
+    tokens = _tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
+    ref = _feed(model, DynamicCache(config=model.config), tokens, 40)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=1.0, tiers="int2", spill=True)
+    out = _feed(model, cache, tokens, 40)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert cache.stats()["per_tier"]["quantized"] == 0 and cache.kv_bytes()["per_tier"]["spill"] == 0
+
+
+def test_spill_is_off_by_default_and_reported_as_zero():
+    assert TierConfig().spill is False
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="qevict", budget=0.3)
+    _feed(model, cache, _tokens(64, vocab=model.config.vocab_size), 64)
+    assert cache.stats()["per_tier"]["int2_windows"] > 0
+    assert all(layer.tier.spill is None for layer in cache.layers)
+    assert cache.kv_bytes()["per_tier"]["spill"] == 0 and cache.stats()["per_tier"]["spill_windows"] == 0
+
+
+def test_spill_cli_option_parses_and_needs_tiers():
+    p = argparse.ArgumentParser()
+    add_tier_args(p)
+    assert tier_kwargs(p.parse_args(["--tiers", "int2", "--spill"])) == {"tiers": "int2", "spill": True}
+    assert "spill" not in tier_kwargs(p.parse_args(["--tiers", "int2"]))
+    with pytest.raises(ValueError, match="--spill"):
+        tier_kwargs(p.parse_args(["--spill"]))
+
+
+def test_spill_settings_are_checked():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="spill must be True or False"):
+        TierConfig(spill="yes")
+    with pytest.raises(ValueError, match="spill="):
+        vlm_kv.make_cache(model, policy="h2o", budget=0.5, spill=True)
+
+
+def test_spill_copies_stay_on_the_host_pinned_only_where_pinning_exists():
+    assert SpillCopies.pin_for(torch.device("cpu")) is False
+    keys, values = torch.ones(2, 8, 4, dtype=torch.bfloat16), torch.zeros(2, 8, 4, dtype=torch.bfloat16)
+    # asked to pin: pinned where an accelerator allocator exists, pageable host memory (not an error) elsewhere
+    copies = SpillCopies.from_device(keys, values, pin=True)
+    assert copies.keys.device.type == "cpu" and copies.keys.is_pinned() == torch.cuda.is_available()
+    picked = copies.select(torch.tensor([1]), pin=True)
+    assert picked.keys.device.type == "cpu" and picked.nbytes() == 2 * 8 * 4 * 2
+    assert torch.equal(picked.keys, keys[1:]) and torch.equal(picked.values, values[1:])
