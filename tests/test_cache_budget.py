@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.testing import record_evictions, tiny_model
+from vlm_kv.testing import feed_tokens, random_tokens, record_evictions, tiny_model
 from vlm_kv.policies import POLICIES
 
 # text-only model: visual-only policies (fastv, visionzip) are covered with images in tests/policies
@@ -13,11 +13,6 @@ BASELINES = [p for p, spec in POLICIES.items() if not spec.needs_gates and not s
              and spec.default_tiers is None]  # polykv: tests/policies/test_polykv.py; qevict, kivi2: tests/test_tier_router.py
 
 
-def _feed(model, cache, tokens, prefill):
-    with torch.no_grad():
-        model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True)
-        for i in range(prefill, tokens.shape[1]):
-            model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("policy", BASELINES)
@@ -34,7 +29,7 @@ def test_bytes_stay_within_budget_over_300_decode_steps(policy):
         after_steps.append((cache.kv_bytes()["total"], cache.budget_bytes(), cache.full_kv_bytes()))
 
     cache.evict = checked_evict
-    _feed(model, cache, tokens, 64)
+    feed_tokens(model, cache, tokens, 64)
     assert len(after_steps) == 1 + 300 // 8
     for held, allowed, full in after_steps:
         assert held <= allowed <= full // 4 + 1
@@ -53,9 +48,9 @@ def test_kept_entries_keep_their_original_positions():
     model = tiny_model("llama")
     tokens = torch.randint(5, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
     full = DynamicCache(config=model.config)
-    _feed(model, full, tokens, 48)
+    feed_tokens(model, full, tokens, 48)
     cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, evict_every=8, scorer_kwargs={"window": 8})
-    _feed(model, cache, tokens, 48)
+    feed_tokens(model, cache, tokens, 48)
     # layer 0 keys depend only on token and position, so every kept key must equal the
     # full cache's key at the entry's recorded position (RoPE applied at that position)
     store = cache.layers[0].store
@@ -72,7 +67,7 @@ def test_slack_keeps_room_below_the_budget():
     model = tiny_model("llama")
     tokens = torch.randint(5, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(2))
     cache = vlm_kv.make_cache(model, policy="streaming_llm", budget=0.5, evict_every=4, slack=4)
-    _feed(model, cache, tokens, 100)
+    feed_tokens(model, cache, tokens, 100)
     # right after the last eviction step each head held cap - slack; 4 more tokens since then at most
     assert cache.stats()["head_length"]["max"] <= cache.budget.capacity(120)
 
@@ -88,7 +83,7 @@ def test_bf16_caches_hold_the_budget_at_every_eviction_step(policy):
         kwargs["scorer_kwargs"] = {"window": 4}
     cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, evict_every=4, **kwargs)
     held = record_evictions(cache)
-    _feed(model, cache, tokens, 48)
+    feed_tokens(model, cache, tokens, 48)
     assert len(held) == 1 + 40 // 4
     assert all(h <= allowed for h, allowed in held)
     assert cache.layers[0].store.body_keys.dtype == torch.bfloat16

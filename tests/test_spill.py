@@ -9,21 +9,12 @@ from transformers import DynamicCache
 import vlm_kv
 from vlm_kv.cli_options import add_tier_args, tier_kwargs
 from vlm_kv.int2_tier import SpillCopies
-from vlm_kv.testing import record_evictions, tiny_gates, tiny_model
+from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_tokens, record_evictions, tiny_gates, tiny_model
 from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig
 
 
-def _feed(model, cache, tokens, prefill):
-    outs = []
-    with torch.no_grad():
-        outs.append(model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True).logits)
-        for i in range(prefill, tokens.shape[1]):
-            outs.append(model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
-    return torch.cat(outs, dim=1)
 
 
-def _tokens(n, batch=1, seed=0, vocab=256):
-    return torch.randint(5, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 def _original_kv(model, tokens):
@@ -32,24 +23,6 @@ def _original_kv(model, tokens):
     with torch.no_grad():
         model(input_ids=tokens, past_key_values=ref, use_cache=True)
     return [(layer.keys, layer.values) for layer in ref.layers]
-
-
-def _force(cache, key, decision_of_window):
-    """Route again with window ``key`` = (row, window id) of layer 0 forced to a decision."""
-    router = cache.router
-    decide = router._decide
-
-    def patched(layers, routings, allocation, scorer):
-        decisions, fallback = decide(layers, routings, allocation, scorer)
-        H = decisions[0].shape[1]
-        decisions[0][key[0] // H, key[0] % H, key[1]] = decision_of_window
-        return decisions, fallback
-
-    router._decide = patched
-    try:
-        cache.evict()
-    finally:
-        router._decide = decide
 
 
 def _fp_window(layer, key, w=8):
@@ -66,15 +39,15 @@ def _fp_window(layer, key, w=8):
 @pytest.mark.parametrize("spill, key_rope", [(True, "post"), (True, "pre"), (False, "post")])
 def test_promotion_restores_the_original_entries_only_with_spill(spill, key_rope):
     model = tiny_model("llama")
-    tokens = _tokens(64, vocab=model.config.vocab_size)
+    tokens = random_tokens(64, vocab=model.config.vocab_size)
     originals = _original_kv(model, tokens)
     cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", spill=spill, key_rope=key_rope)
-    _feed(model, cache, tokens, 64)
+    feed_tokens(model, cache, tokens, 64)
     layer = cache.layers[0]
     tier = layer.tier
     assert tier.num_active > 0
     key = (int(tier.row[0]), int(tier.window_id[0]))
-    _force(cache, key, FP)  # promotion
+    route_with_forced_decision(cache, key, FP)  # promotion
     pos, keys, values = _fp_window(layer, key)
     assert pos.numel() == 8
     H = layer.store.num_kv_heads
@@ -95,8 +68,8 @@ def test_promotion_restores_the_original_entries_only_with_spill(spill, key_rope
         assert len(tier.spill) == len(tier) > tier.num_active
         assert stats["spill_windows"] == sum(len(lay.tier) for lay in cache.layers)
         # demoted again (codes reused) and promoted again: still the originals
-        _force(cache, key, INT2)
-        _force(cache, key, FP)
+        route_with_forced_decision(cache, key, INT2)
+        route_with_forced_decision(cache, key, FP)
         pos2, keys2, values2 = _fp_window(layer, key)
         assert torch.equal(pos2, pos) and torch.equal(keys2, ref_k) and torch.equal(values2, ref_v)
         assert tier.counters.ledger_reuses >= 1
@@ -105,7 +78,7 @@ def test_promotion_restores_the_original_entries_only_with_spill(spill, key_rope
 def test_spill_bytes_are_the_host_copies_and_fall_when_windows_are_evicted():
     model = tiny_model("llama")
     cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", spill=True)
-    _feed(model, cache, _tokens(64, vocab=model.config.vocab_size), 64)
+    feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     tiers = [layer.tier for layer in cache.layers]
     for tier in tiers:
         assert tier.spill.keys.device.type == "cpu" and tier.spill.values.device.type == "cpu"
@@ -124,7 +97,7 @@ def test_spill_bytes_are_the_host_copies_and_fall_when_windows_are_evicted():
     tier = layer.tier
     key = (int(tier.row[0]), int(tier.window_id[0]))
     before_layer, before_total = tier.spill_bytes(), cache.kv_bytes()["per_tier"]["spill"]
-    _force(cache, key, EVICT)
+    route_with_forced_decision(cache, key, EVICT)
     assert not bool(((tier.row == key[0]) & (tier.window_id == key[1])).any())
     assert tier.spill_bytes() == before_layer - 2 * w * D * dtype_bytes
     assert cache.kv_bytes()["per_tier"]["spill"] < before_total
@@ -145,7 +118,7 @@ def test_budget_holds_with_spill_and_excludes_the_host_copies(policy):
         spill_seen.append(cache.kv_bytes()["per_tier"]["spill"])
 
     cache.evict = watching
-    _feed(model, cache, _tokens(64 + 160, batch=2, vocab=model.config.vocab_size), 64)
+    feed_tokens(model, cache, random_tokens(64 + 160, batch=2, vocab=model.config.vocab_size), 64)
     assert len(steps) == 1 + 160 // 8
     for held, allowed in steps:
         assert held <= allowed
@@ -158,10 +131,10 @@ def test_budget_holds_with_spill_and_excludes_the_host_copies(policy):
 
 def test_spill_with_budget_one_equals_dynamic_cache():
     model = tiny_model("llama")
-    tokens = _tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
-    ref = _feed(model, DynamicCache(config=model.config), tokens, 40)
+    tokens = random_tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
+    ref = feed_tokens(model, DynamicCache(config=model.config), tokens, 40)
     cache = vlm_kv.make_cache(model, policy="h2o", budget=1.0, tiers="int2", spill=True)
-    out = _feed(model, cache, tokens, 40)
+    out = feed_tokens(model, cache, tokens, 40)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert cache.stats()["per_tier"]["quantized"] == 0 and cache.kv_bytes()["per_tier"]["spill"] == 0
 
@@ -170,7 +143,7 @@ def test_spill_is_off_by_default_and_reported_as_zero():
     assert TierConfig().spill is False
     model = tiny_model("llama")
     cache = vlm_kv.make_cache(model, policy="qevict", budget=0.3)
-    _feed(model, cache, _tokens(64, vocab=model.config.vocab_size), 64)
+    feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     assert cache.stats()["per_tier"]["int2_windows"] > 0
     assert all(layer.tier.spill is None for layer in cache.layers)
     assert cache.kv_bytes()["per_tier"]["spill"] == 0 and cache.stats()["per_tier"]["spill_windows"] == 0

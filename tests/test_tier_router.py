@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 import vlm_kv
 from vlm_kv.int2_tier import QuantizedWindows
-from vlm_kv.testing import record_evictions, tiny_gates, tiny_inputs, tiny_model
+from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_tokens, record_evictions, tiny_gates, tiny_inputs, tiny_model
 from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig, TierRouter, reduce_windows
 
 TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_llm", "dbtrimkv"]
@@ -24,17 +24,8 @@ def _kwargs(policy, model):
     return kw
 
 
-def _feed(model, cache, tokens, prefill):
-    outs = []
-    with torch.no_grad():
-        outs.append(model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True).logits)
-        for i in range(prefill, tokens.shape[1]):
-            outs.append(model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
-    return torch.cat(outs, dim=1)
 
 
-def _tokens(n, batch=1, seed=0, vocab=256):
-    return torch.randint(5, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 # 300 decode steps for three scorers (window mass per row, observation window per layer, gates globally);
@@ -48,7 +39,7 @@ def test_held_bytes_stay_within_budget_at_every_routing_event(policy):
     cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model))
     steps = record_evictions(cache)
     decode = 300 if policy in LONG else 64
-    _feed(model, cache, _tokens(64 + decode, batch=2, vocab=model.config.vocab_size), 64)
+    feed_tokens(model, cache, random_tokens(64 + decode, batch=2, vocab=model.config.vocab_size), 64)
     assert len(steps) == 1 + decode // 8  # routing after the prefill and every w = 8 decode steps
     for held, allowed in steps:
         assert held <= allowed
@@ -61,11 +52,11 @@ def test_held_bytes_stay_within_budget_at_every_routing_event(policy):
 
 def test_tiers_hold_more_tokens_than_eviction_alone_at_the_same_bytes():
     model = tiny_model("llama")
-    tokens = _tokens(200, vocab=model.config.vocab_size)
+    tokens = random_tokens(200, vocab=model.config.vocab_size)
     plain = vlm_kv.make_cache(model, policy="h2o", budget=0.2)
     tiered = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", evict_every=16)
-    _feed(model, plain, tokens, 184)
-    _feed(model, tiered, tokens, 184)
+    feed_tokens(model, plain, tokens, 184)
+    feed_tokens(model, tiered, tokens, 184)
     assert tiered.kv_bytes()["total"] <= tiered.budget_bytes() == plain.budget_bytes()
     assert tiered.num_entries() > 1.5 * plain.num_entries()
 
@@ -73,10 +64,10 @@ def test_tiers_hold_more_tokens_than_eviction_alone_at_the_same_bytes():
 @pytest.mark.parametrize("policy", ["h2o", "dbtrimkv", "snapkv"])
 def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy):
     model = tiny_model("llama")
-    tokens = _tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
-    ref = _feed(model, DynamicCache(config=model.config), tokens, 40)
+    tokens = random_tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
+    ref = feed_tokens(model, DynamicCache(config=model.config), tokens, 40)
     cache = vlm_kv.make_cache(model, policy=policy, budget=1.0, **_kwargs(policy, model))
-    out = _feed(model, cache, tokens, 40)
+    out = feed_tokens(model, cache, tokens, 40)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert cache.stats()["per_tier"]["quantized"] == 0
 
@@ -84,26 +75,15 @@ def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy
 def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once():
     model = tiny_model("llama")
     cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2")
-    _feed(model, cache, _tokens(64, vocab=model.config.vocab_size), 64)
+    feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     layer = cache.layers[0]
-    tier, router = layer.tier, cache.router
+    tier = layer.tier
     key = (int(tier.row[0]), int(tier.window_id[0]))
     codes = [t.clone() for t in tier.codes.select(torch.tensor([0]))._tensors()]
     quantized = tier.counters.quantized
 
     def force(decision_of_window):
-        # route again with this window's decision forced, everything else as the policy says
-        decide = router._decide
-
-        def patched(layers, routings, allocation, scorer):
-            decisions, fallback = decide(layers, routings, allocation, scorer)
-            H = decisions[0].shape[1]
-            decisions[0][key[0] // H, key[0] % H, key[1]] = decision_of_window
-            return decisions, fallback
-
-        router._decide = patched
-        cache.evict()
-        router._decide = decide
+        route_with_forced_decision(cache, key, decision_of_window)
 
     def find():
         hit = ((tier.row == key[0]) & (tier.window_id == key[1])).nonzero().flatten()
@@ -127,7 +107,7 @@ def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once():
 def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries():
     model = tiny_model("llama")
     cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2")
-    tokens = _tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
+    tokens = random_tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # batch padding on the left
     with torch.no_grad():
@@ -184,9 +164,9 @@ def test_tiers_with_images_and_a_second_turn_stay_within_budget():
 
 def test_kivi2_quantizes_everything_but_sinks_and_residual_and_evicts_nothing():
     model = tiny_model("llama")
-    tokens = _tokens(96 + 20, vocab=model.config.vocab_size)
+    tokens = random_tokens(96 + 20, vocab=model.config.vocab_size)
     cache = vlm_kv.make_cache(model, policy="kivi2", budget=1.0, window=8, scorer_kwargs={"residual": 16})
-    _feed(model, cache, tokens, 96)
+    feed_tokens(model, cache, tokens, 96)
     assert cache.evicted_entries == 0
     assert cache.num_entries() == cache.get_seq_length() * 2 * model.config.num_key_value_heads
     stats = cache.stats()["per_tier"]
@@ -251,12 +231,12 @@ def test_bad_tier_settings_are_refused_clearly(kwargs, match):
 
 def test_chunked_prefill_routes_after_every_chunk_within_budget():
     model = tiny_model("llama")
-    tokens = _tokens(96 + 8, vocab=model.config.vocab_size)
+    tokens = random_tokens(96 + 8, vocab=model.config.vocab_size)
     cache = vlm_kv.make_cache(model, policy="qevict", budget=0.25, prefill_chunk=32)
     steps = record_evictions(cache)
-    _feed(model, cache, tokens, 96)
+    feed_tokens(model, cache, tokens, 96)
     assert cache.chunked_prefills == 1 and len(steps) == 3 + 1  # three chunks, then one decode event
     assert all(held <= allowed for held, allowed in steps)
-    full = _feed(model, DynamicCache(config=model.config), tokens, 96)
+    full = feed_tokens(model, DynamicCache(config=model.config), tokens, 96)
     whole = vlm_kv.make_cache(model, policy="qevict", budget=1.0, prefill_chunk=32)
-    torch.testing.assert_close(_feed(model, whole, tokens, 96)[:, -8:], full[:, -8:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feed_tokens(model, whole, tokens, 96)[:, -8:], full[:, -8:], rtol=1e-5, atol=1e-5)

@@ -711,3 +711,39 @@ def record_evictions(cache) -> list[tuple[int, int]]:
 
     cache.evict = recording_evict
     return steps
+
+
+def random_tokens(n: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    """[batch, n] token ids in [5, vocab), reproducible from ``seed``."""
+    return torch.randint(5, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def feed_tokens(model, cache, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Prefill ``tokens[:, :prefill]`` into ``cache``, then feed the rest one token per forward, as
+    ``generate`` does; returns the logits of every position [B, T, V]."""
+    outs = []
+    with torch.no_grad():
+        outs.append(model(input_ids=tokens[:, :prefill], past_key_values=cache, use_cache=True).logits)
+        for i in range(prefill, tokens.shape[1]):
+            outs.append(model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(outs, dim=1)
+
+
+def route_with_forced_decision(cache, key: tuple[int, int], decision_of_window: int) -> None:
+    """Run one routing event of a tiered ``cache`` in which window ``key`` = (row, window id) of
+    layer 0 gets ``decision_of_window`` (FP, INT2 or EVICT) and every other window what the policy
+    decides: how the tier tests drive a window through demotion and promotion."""
+    router = cache.router
+    decide = router._decide
+
+    def patched(layers, routings, allocation, scorer):
+        decisions, fallback = decide(layers, routings, allocation, scorer)
+        H = decisions[0].shape[1]
+        decisions[0][key[0] // H, key[0] % H, key[1]] = decision_of_window
+        return decisions, fallback
+
+    router._decide = patched
+    try:
+        cache.evict()
+    finally:
+        router._decide = decide
