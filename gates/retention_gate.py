@@ -118,8 +118,13 @@ class RetentionGates(nn.Module):
         return F.logsigmoid(logits.float())
 
     def _stacked(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        # rebuilt whenever a parameter changed in place (an optimizer step, load_state_dict)
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        # rebuilt whenever a parameter changed in place (an optimizer step) or moved (.to()):
+        # versions and data pointers of a parameter list kept since the last rebuild, because
+        # walking self.parameters() on every decode step cost 0.2 ms (13x the check itself)
+        params = getattr(self, "_stacked_params", None)
+        if params is None:
+            params = self._stacked_params = list(self.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in params)
         cached = getattr(self, "_stacked_cache", None)
         if cached is None or cached[0] != key:
             trunks = [[m for m in t.net if isinstance(m, nn.Linear)] for t in self.trunks]
@@ -133,6 +138,14 @@ class RetentionGates(nn.Module):
             cached = (key, (weights, biases, head_w.detach(), head_b.detach()))
             self._stacked_cache = cached
         return cached[1]
+
+    def _apply(self, fn, recurse: bool = True):
+        self._stacked_params = self._stacked_cache = None  # parameters may be new objects now
+        return super()._apply(fn, recurse)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        self._stacked_params = self._stacked_cache = None  # assign=True swaps the parameter objects
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

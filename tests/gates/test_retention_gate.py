@@ -35,3 +35,17 @@ def test_all_layers_at_once_equal_each_layer_alone(kind, coupled):
         gates.trunks[1].net[0].bias.add_(0.5)
         alone = gates.log_beta(1, hidden[1][:, None])[..., 0]
     torch.testing.assert_close(gates.log_beta_stacked(hidden)[1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_gates_follow_a_state_dict_loaded_by_assignment_and_a_dtype_change():
+    model = tiny_model("llama", num_layers=3)
+    gates, other = tiny_gates(model, seed=0), tiny_gates(model, seed=1)
+    hidden = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = gates.log_beta_stacked(hidden)
+    gates.load_state_dict(other.state_dict(), assign=True)  # new parameter objects, not an in-place change
+    after = gates.log_beta_stacked(hidden)
+    torch.testing.assert_close(after, other.log_beta_stacked(hidden))
+    assert not torch.allclose(before, after)
+    gates.double()
+    assert gates.log_beta_stacked(hidden.double()).dtype == torch.float32
+    torch.testing.assert_close(gates.log_beta_stacked(hidden.double()), after, rtol=1e-5, atol=1e-5)
