@@ -80,8 +80,8 @@ class CompressedLayer(CacheLayerMixin):
             )
         record = self.cache.ledger.enter(b, q, key_states.device)
         self.store.append(key_states, value_states, self.seen, record.modality, record.valid, record.all_valid)
-        if self.cache.gates is not None and not self.cache.gate_input_stored(self.layer_idx, b, q):
-            self.store.set_tail_state("log_beta", self.cache.take_log_beta(self.layer_idx, b, q))
+        if self.cache.gates is not None and not self.cache.take_deferred_gate(self.layer_idx, b, q):
+            self.cache.store_log_beta(self.layer_idx, self.cache.take_log_beta(self.layer_idx, b, q))
         self.seen += q
         attention.hand_over(self)
         return key_states, value_states
@@ -447,8 +447,9 @@ class CompressedCache(Cache):
         self.gate_inputs[layer_idx].copy_(hidden[:, 0])
         self.gate_inputs_waiting.add(layer_idx)
 
-    def gate_input_stored(self, layer_idx: int, batch: int, q: int) -> bool:
-        """The layer stored its one new token, whose log beta follows at the end of the forward."""
+    def take_deferred_gate(self, layer_idx: int, batch: int, q: int) -> bool:
+        """Whether the gate of the token ``layer_idx`` just stored was deferred: its log beta is
+        then written at the end of the forward."""
         if layer_idx not in self.gate_inputs_waiting:
             return False
         if q != 1 or self.gate_inputs.shape[1] != batch:
@@ -462,16 +463,19 @@ class CompressedCache(Cache):
             return
         with torch.no_grad():
             log_beta = self.gates.log_beta_stacked(self.gate_inputs)  # [L, B, H]
-        b = log_beta.shape[1]
         for idx in sorted(self.gate_inputs_stored):
-            self.stash_log_beta(idx, log_beta[idx].unsqueeze(-1))
-            self.layers[idx].store.set_tail_state("log_beta", self.take_log_beta(idx, b, 1))
+            self.store_log_beta(idx, log_beta[idx].unsqueeze(-1))
         self.gate_inputs_stored.clear()
 
     def _clear_gate_hand_offs(self) -> None:
         self.gate_stash.clear()
         self.gate_inputs_waiting.clear()
         self.gate_inputs_stored.clear()
+
+    def store_log_beta(self, layer_idx: int, log_beta: torch.Tensor) -> None:
+        """Write the gate output of the newest ``log_beta.shape[-1]`` tokens of ``layer_idx``
+        ([B, H, Q]): the one way log betas reach the stores, from a prefill or a decode step."""
+        self.layers[layer_idx].store.set_tail_state("log_beta", log_beta)
 
     def take_log_beta(self, layer_idx: int, batch: int, q: int) -> torch.Tensor:
         log_beta = self.gate_stash.pop(layer_idx, None)

@@ -162,7 +162,6 @@ class TierCounters:
     demotions: int = 0        # FP -> INT2, windows
     promotions: int = 0       # INT2 -> FP, windows
     evicted_windows: int = 0  # INT2 windows evicted
-    lossless_promotions: int = 0  # promotions restored from the spill tier's original copies
 
 
 @dataclass

@@ -122,8 +122,9 @@ def tier_stats(cache: "CompressedCache") -> dict[str, int]:
         "ledger_windows": sum(len(t) - t.num_active for t in tiers),
         "spill_windows": sum(len(t.spill) for t in tiers if t.spill is not None),
     }
-    for name in ("quantized", "ledger_reuses", "demotions", "promotions", "lossless_promotions", "evicted_windows"):
+    for name in ("quantized", "ledger_reuses", "demotions", "promotions", "evicted_windows"):
         out[name] = sum(getattr(t.counters, name) for t in tiers)
+    out["lossless_promotions"] = sum(t.counters.promotions for t in tiers if t.spill is not None)
     return out
 
 

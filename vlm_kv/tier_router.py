@@ -357,8 +357,6 @@ class TierRouter:
             tier.counters.quantized += int(fresh.sum())
             tier.counters.demotions += int(reused.sum()) + int(fresh.sum())
         tier.counters.promotions += int(promote.sum())
-        if spill:
-            tier.counters.lossless_promotions += int(promote.sum())
         tier.rebuild(keep, active, refreshed, new_windows)
         store.compact(keep_fp, insert=insert)
 

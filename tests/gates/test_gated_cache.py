@@ -22,13 +22,13 @@ def _gates(model, kind="dbtrimkv", coupled=True, seed=0):
 
 def _record_log_betas(cache):
     seen = {}
-    stash = cache.stash_log_beta
+    store = cache.store_log_beta
 
     def recording(layer_idx, log_beta):
         seen.setdefault(layer_idx, []).append(log_beta.clone())
-        stash(layer_idx, log_beta)
+        store(layer_idx, log_beta)
 
-    cache.stash_log_beta = recording
+    cache.store_log_beta = recording
     return seen
 
 

@@ -23,13 +23,13 @@ def _run(model, gates, log_alpha, sinks, decode=3):
     cache = vlm_kv.make_cache(model, "dbtrimkv_threshold", budget=1.0, gates=gates, evict_every=1,
                               scorer_kwargs={"num_sinks": sinks}, allocation_kwargs={"log_alpha": log_alpha})
     seen = {}
-    stash = cache.stash_log_beta
+    store = cache.store_log_beta
 
     def recording(layer_idx, log_beta):
         seen.setdefault(layer_idx, []).append(log_beta.clone())
-        stash(layer_idx, log_beta)
+        store(layer_idx, log_beta)
 
-    cache.stash_log_beta = recording
+    cache.store_log_beta = recording
     ids = torch.randint(5, 200, (1, 48 + decode), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(input_ids=ids[:, :48], past_key_values=cache)
