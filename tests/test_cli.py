@@ -89,6 +89,41 @@ def test_bench_runs_each_row_in_its_own_process_by_default(capsys, monkeypatch):
     assert all(r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_bench_interleave_runs_every_cache_once_per_repeat(capsys, monkeypatch, smollm2):
+    import vlm_kv.bench as bench
+
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
+    order = []
+    real = bench.run_planned
+
+    def recording(model, ids, run, steps, repeats, *rest):
+        assert repeats == 1  # one fresh prefill + decode per cache and round
+        order.append(run[1])
+        return real(model, ids, run, steps, repeats, *rest)
+
+    monkeypatch.setattr(bench, "run_planned", recording)
+    code = main(["bench", "--contexts", "64", "--policies", "snapkv,h2o", "--budgets", "0.5", "--steps", "2",
+                 "--repeats", "3", "--json", "--interleave"])
+    assert code == 0
+    # the order rotates between rounds, so no cache always runs first
+    assert order == ["full", "snapkv", "h2o", "snapkv", "h2o", "full", "h2o", "full", "snapkv"]
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["policy"] for r in rows] == ["full", "snapkv", "h2o"]
+    assert all(r["tokens_per_s"] == pytest.approx(1000 / r["decode_ms_per_token"]) for r in rows)
+    assert rows[1]["peak_kv_bytes_decode"] < rows[0]["peak_kv_bytes_decode"]
+
+
+def test_median_row_takes_medians_of_times_and_maxima_of_peaks():
+    from vlm_kv.bench import BenchRow, median_row
+
+    def row(prefill, ms, peak):
+        return BenchRow("snapkv", 0.1, 64, None, prefill, ms, 1000 / ms, 0.1, peak, peak, peak, "cpu", "float32")
+
+    out = median_row([row(3.0, 10.0, 5), row(1.0, 30.0, 7), row(2.0, 20.0, 6)])
+    assert (out.prefill_s, out.decode_ms_per_token, out.tokens_per_s) == (2.0, 20.0, 50.0)
+    assert out.peak_kv_bytes_prefill == out.peak_memory_bytes == 7
+
+
 def test_tier_options_are_checked_before_the_model_loads(shared_data, capsys, no_model_load):
     text = shared_data / "text" / "pg84.txt"
     assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--window", "4")) == 2

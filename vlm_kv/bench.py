@@ -206,6 +206,51 @@ def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: l
         yield run_planned(model, ids, run, steps, repeats, prefill_chunk, strategy, cache_kwargs)
 
 
+def bench_interleaved(model, tokenizer, contexts: list[int], policies: list[str], budgets: list[float],
+                      text_path: str | None = None, steps: int = 32, rounds: int = 5,
+                      prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
+                      cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
+    """Paired timing: at each context, every cache (DynamicCache included) runs once per round
+    (a fresh prefill, then ``steps`` decode steps), the order rotating between rounds; a row per
+    cache reports the medians over rounds. Drift of a shared machine (other jobs, clock changes)
+    then lands on every cache alike instead of on whichever ran during it: separate runs moved
+    by up to 38 % here, a 15 % bound needs better. Peak memory is the process's, as in ``bench``."""
+    ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
+    warm_up(model)
+    runs = planned_runs(contexts, policies, budgets)
+    bar = _progress_bar(len(runs) * rounds, progress)
+    for context in contexts:
+        here = [run for run in runs if run[0] == context]
+        measured: dict[tuple, list[BenchRow]] = {run: [] for run in here}
+        for r in range(rounds):
+            for run in here[r % len(here):] + here[: r % len(here)]:
+                bar.set_postfix_str(f"round {r + 1}: {run[1]}@{run[2] if run[2] is not None else 1} ctx {context}")
+                measured[run].append(run_planned(model, ids, run, steps, 1, prefill_chunk, strategy, cache_kwargs))
+                bar.update()
+        for run in here:
+            yield median_row(measured[run])
+    bar.close()
+
+
+def median_row(rows: list[BenchRow]) -> BenchRow:
+    """One row from repeated runs of the same cache: medians of the timings, maxima of the peaks."""
+    med = lambda key: statistics.median(getattr(r, key) for r in rows)  # noqa: E731
+    ms = med("decode_ms_per_token")
+    return BenchRow(
+        policy=rows[0].policy, budget=rows[0].budget, context=rows[0].context, prefill_chunk=rows[0].prefill_chunk,
+        prefill_s=med("prefill_s"), decode_ms_per_token=ms, tokens_per_s=1000.0 / ms, evict_share=med("evict_share"),
+        peak_kv_bytes_prefill=max(r.peak_kv_bytes_prefill for r in rows),
+        peak_kv_bytes_decode=max(r.peak_kv_bytes_decode for r in rows),
+        peak_memory_bytes=max(r.peak_memory_bytes for r in rows), device=rows[0].device, dtype=rows[0].dtype,
+    )
+
+
+def _progress_bar(total: int, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", disable=not progress, leave=False)
+
+
 def bench_isolated(model_name: str, dtype: str, device: str, contexts: list[int], policies: list[str],
                    budgets: list[float], text_path: str | None = None, steps: int = 32, repeats: int = 3,
                    prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,

@@ -102,7 +102,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from vlm_kv.bench import bench, bench_isolated, plot_rows
+    from vlm_kv.bench import bench, bench_interleaved, bench_isolated, plot_rows
     from vlm_kv.budget import Budget
 
     contexts = _csv(int, args.contexts)
@@ -118,7 +118,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_model(args.model)
     tiers = tier_kwargs(args)
-    if args.in_process:
+    if args.interleave:
+        if not args.json:
+            print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
+        model, tok = _load(args.model, args.dtype, args.device)
+        runs = bench_interleaved(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
+                                 args.prefill_chunk, progress=not args.json, strategy=args.strategy,
+                                 cache_kwargs=tiers)
+    elif args.in_process:
         if not args.json:
             print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
         model, tok = _load(args.model, args.dtype, args.device)
@@ -272,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run everything in this process (default: each run in a fresh process, so that peak "
                         "memory is not inflated by the heap earlier runs left behind)")
+    p.add_argument("--interleave", action="store_true",
+                   help="paired timing in this process: each repeat runs every cache of a context once (fresh "
+                        "prefill + --steps decode steps) in rotating order; rows give medians over repeats")
     add_tier_args(p)
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.set_defaults(func=cmd_bench)
