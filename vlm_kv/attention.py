@@ -180,7 +180,7 @@ def decode_attention(
         return out.transpose(1, 2), None
     if (not store.uniform and not want_received and store.tail_all_valid
             and store.body_size + h * store.tail_size <= SMALL_DECODE_ENTRIES):
-        return _decode_ragged_sdpa(query, store, scale), None
+        return _decode_ragged_small(query, store, scale), None
     q = query.reshape(b, h, g, d)
     tail_k, tail_v = store.tail_keys, store.tail_values
     tail_logits = torch.matmul(q, tail_k.transpose(-1, -2)).float() * scale  # [B, H, g, T]
@@ -242,10 +242,10 @@ def _tail_head_bias(h: int, g: int, t: int, device: torch.device) -> torch.Tenso
 _TAIL_BIAS: dict[tuple, torch.Tensor] = {}
 
 
-def _decode_ragged_sdpa(query: torch.Tensor, store: Any, scale: float) -> torch.Tensor:
-    """Decode over a small ragged store: per sequence, the flat body and the head-major tail form one
-    key list that every query head attends through an additive mask of its own KV head's entries
-    (one SDPA call instead of the split softmax's dozen small ops). [B, 1, Hq, D]."""
+def _decode_ragged_small(query: torch.Tensor, store: Any, scale: float) -> torch.Tensor:
+    """Decode over a small ragged store (fp32): per sequence, the flat body and the head-major tail
+    form one key list that every query head attends through an additive mask of its own KV head's
+    entries (one masked softmax instead of the split softmax's dozen small ops). [B, 1, Hq, D]."""
     b, hq, _, d = query.shape
     h, t = store.num_kv_heads, store.tail_size
     g = hq // h
@@ -256,10 +256,11 @@ def _decode_ragged_sdpa(query: torch.Tensor, store: Any, scale: float) -> torch.
         keys = torch.cat([store.body_keys[start : start + count], store.tail_keys[i].reshape(h * t, d)])
         values = torch.cat([store.body_values[start : start + count], store.tail_values[i].reshape(h * t, d)])
         bias = torch.cat([store.head_bias(i, g), tail_bias], dim=1)
-        out = F.scaled_dot_product_attention(query[i].reshape(1, 1, hq, d), keys[None, None], values[None, None],
-                                             attn_mask=bias[None, None], scale=scale)
-        outs.append(out.reshape(hq, d))
-    return torch.stack(outs).view(b, 1, hq, d)
+        # addmm + softmax + mm rather than SDPA with a float mask: at these sizes SDPA's set-up is
+        # most of its cost (12 vs 36 us at 177 entries, one thread; scripts/decode_microbench.py)
+        logits = torch.addmm(bias, query[i].reshape(hq, d), keys.transpose(0, 1), alpha=scale)
+        outs.append(torch.matmul(torch.softmax(logits, dim=-1), values))
+    return (outs[0] if b == 1 else torch.stack(outs)).view(b, 1, hq, d)
 
 
 def decode_attention_triton(query: torch.Tensor, store: Any, scaling: float | None) -> torch.Tensor:

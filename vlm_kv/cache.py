@@ -399,7 +399,7 @@ class CompressedCache(Cache):
             if self._layerwise is None:  # not splittable by layer: the end-of-forward step does it all
                 self._evicts_at_end = True
                 return
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(report.layer_kv_bytes(l) for l in self.layers))
+        self.peak_kv_bytes = max(self.peak_kv_bytes, report.total_kv_bytes(self))
         self.evictor.evict_layer(self._layerwise, layer, self.ledger)
         self.evict_seconds += time.perf_counter() - start
 
@@ -413,7 +413,7 @@ class CompressedCache(Cache):
         self._store_deferred_log_betas()
         q = self.ledger.end_forward()
         if q and self.evictor.due(q):
-            self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes()["total"])
+            self.peak_kv_bytes = max(self.peak_kv_bytes, report.total_kv_bytes(self))
             self.evict()
 
     def abort_forward(self) -> None:
@@ -501,7 +501,7 @@ class CompressedCache(Cache):
         else:
             self.evictor.evict(layers, self.ledger)
         self.evict_seconds += time.perf_counter() - start
-        held = self.kv_bytes()["total"]
+        held = report.total_kv_bytes(self)
         self.max_kv_bytes = max(self.max_kv_bytes, held)
         self.peak_kv_bytes = max(self.peak_kv_bytes, held)
         for listener in self.eviction_listeners:

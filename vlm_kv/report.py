@@ -61,7 +61,7 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     ``total`` and ``held`` are the cache's device memory; the spill tier's host copies are only in
     ``per_tier["spill"]`` (so ``per_tier`` sums to ``total + per_tier["spill"]``)."""
     per_layer = [layer_kv_bytes(layer) for layer in cache.layers]
-    total = sum(per_layer)
+    total = sum(per_layer)  # = total_kv_bytes(cache)
     metadata = sum(store.meta_bytes() for store in _stores(cache)) + sum(t.meta_bytes() for t in _tiers(cache))
     query_window = sum(layer.query_window_bytes() for layer in cache.layers)
     gate_stash = tensor_bytes(*cache.gate_stash.values(), cache.gate_inputs)
@@ -76,6 +76,11 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
         "gate_stash": gate_stash,
         "held": total + metadata + query_window + gate_stash,
     }
+
+
+def total_kv_bytes(cache: "CompressedCache") -> int:
+    """``kv_bytes()["total"]`` alone, without the breakdowns (what hot paths track)."""
+    return sum(layer_kv_bytes(layer) for layer in cache.layers)
 
 
 def layer_kv_bytes(layer) -> int:
