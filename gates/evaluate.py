@@ -6,8 +6,10 @@
         --cell new-nosinks:dbtrimkv:0.1:gates=runs/main,num_sinks=0 \\
         --cell new-thr:dbtrimkv_threshold:1.0:gates=runs/main,log_alpha=-6
 
-A cell is ``LABEL:POLICY:BUDGET[:key=value,...]``; keys: ``gates`` (folder), ``num_sinks``
-(scorer), ``log_alpha`` (threshold allocation). Each finished cell is appended to ``--out``
+A cell is ``LABEL:POLICY:BUDGET[:key=value,...]``; keys: ``gates`` (folder), ``num_sinks`` and
+``recent_ratio`` (scorer), ``log_alpha`` (threshold allocation), ``min_per_head`` (global allocation), ``tiers``, ``int2_share`` and
+``window`` (recoverable INT2 tiers, as ``make_cache`` takes them). ``--dtype bfloat16`` runs the
+model and every cache in bf16 (budgets are fractions of the full cache in that dtype). Each finished cell is appended to ``--out``
 as one JSON line (with kl, top1, nll, full_nll, bytes) and skipped when the file already
 has it, so an interrupted grid resumes; ``--csv`` writes the table of every line.
 """
@@ -19,6 +21,9 @@ import csv
 import json
 import os
 import time
+
+
+_CACHE_OPTIONS = {"tiers": str, "int2_share": float, "window": int}
 
 
 def parse_cell(text: str) -> dict:
@@ -33,8 +38,14 @@ def parse_cell(text: str) -> dict:
             cell["gates"] = value
         elif key == "num_sinks":
             cell["scorer_kwargs"]["num_sinks"] = int(value)
+        elif key == "recent_ratio":
+            cell["scorer_kwargs"]["recent_ratio"] = float(value)
+        elif key in _CACHE_OPTIONS:
+            cell.setdefault("cache_kwargs", {})[key] = _CACHE_OPTIONS[key](value)
         elif key == "log_alpha":
             cell["allocation_kwargs"]["log_alpha"] = float(value)
+        elif key == "min_per_head":
+            cell["allocation_kwargs"]["min_per_head"] = int(value)
         else:
             raise argparse.ArgumentTypeError(f"unknown cell option {key!r} in {text!r}")
     return cell
@@ -42,9 +53,13 @@ def parse_cell(text: str) -> dict:
 
 def cell_key(cell: dict) -> str:
     """Identity of a cell: everything that changes its result."""
-    opts = json.dumps([cell.get("gates"), cell.get("scorer_kwargs") or {}, cell.get("allocation_kwargs") or {}],
-                      sort_keys=True)
-    return f"{cell['label']}|{cell['policy']}|{cell['budget']}|{opts}"
+    opts = [cell.get("gates"), cell.get("scorer_kwargs") or {}, cell.get("allocation_kwargs") or {}]
+    # only when set, so that the keys of files written before these options existed stay the same
+    if cell.get("cache_kwargs"):
+        opts.append(cell["cache_kwargs"])
+    if cell.get("dtype", "float32") != "float32":
+        opts.append(cell["dtype"])
+    return f"{cell['label']}|{cell['policy']}|{cell['budget']}|{json.dumps(opts, sort_keys=True)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--continuation", type=int, default=128)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--cell", action="append", type=parse_cell, required=True)
     p.add_argument("--out", required=True, help="JSONL of finished cells (appended; resumes)")
     p.add_argument("--csv", default=None, help="also write every line of --out as CSV")
@@ -65,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_kv.fidelity import measure, run_reference, text_tokens
     from vlm_kv.smollm2 import load_model
 
+    for cell in args.cell:
+        cell["dtype"] = args.dtype
     done = set()
     if os.path.exists(args.out):
         with open(args.out) as fh:
             done = {cell_key(json.loads(line)) for line in fh if line.strip()}
     todo = [c for c in args.cell if cell_key(c) not in done]
     if todo:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
         ids = text_tokens(tokenizer, args.text, args.offset, args.context + args.continuation + 1)
         with torch.no_grad():
             reference = run_reference(model, ids, args.context)
@@ -80,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs = {"scorer_kwargs": cell["scorer_kwargs"] or None, "allocation_kwargs": cell["allocation_kwargs"] or None}
             if cell["gates"]:
                 kwargs["gates"] = cell["gates"]
+            kwargs.update(cell.get("cache_kwargs") or {})
             with torch.no_grad():
                 r = measure(model, ids, args.context, cell["policy"], cell["budget"], reference, **kwargs)
             row = dict(cell, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1),
@@ -94,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [json.loads(line) for line in fh if line.strip()]
         cols = ["label", "policy", "budget", "kl", "top1", "nll", "full_nll", "kv_fraction", "max_kv_fraction",
                 "kv_bytes", "max_kv_bytes", "full_kv_bytes", "gates", "scorer_kwargs", "allocation_kwargs",
+                "cache_kwargs", "dtype",
                 "context", "continuation", "text", "offset", "seconds"]
         with open(args.csv, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")

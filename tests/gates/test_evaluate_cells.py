@@ -14,6 +14,20 @@ def test_cells_parse_gates_sinks_and_threshold():
     plain = parse_cell("base:snapkv:0.1")
     assert plain["gates"] is None and plain["scorer_kwargs"] == {}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown cell option"):
-        parse_cell("x:snapkv:0.1:window=3")
+        parse_cell("x:snapkv:0.1:colour=3")
     with pytest.raises(argparse.ArgumentTypeError, match="LABEL:POLICY:BUDGET"):
         parse_cell("snapkv")
+
+
+def test_cells_take_tier_and_recent_options_and_key_them_with_the_dtype():
+    c = parse_cell("q:qevict:0.05:tiers=int2,int2_share=0.5,window=8,recent_ratio=0.5")
+    assert c["cache_kwargs"] == {"tiers": "int2", "int2_share": 0.5, "window": 8}
+    assert c["scorer_kwargs"] == {"recent_ratio": 0.5}
+    assert parse_cell("f:dbtrimkv:0.1:min_per_head=16")["allocation_kwargs"] == {"min_per_head": 16}
+    assert cell_key(c) != cell_key(parse_cell("q:qevict:0.05:tiers=int2,int2_share=0.7,window=8,recent_ratio=0.5"))
+    bf16 = dict(c, dtype="bfloat16")
+    assert cell_key(bf16) != cell_key(dict(c, dtype="float32"))
+    # rows written before the tier options and --dtype existed keep their keys (a grid resumes)
+    old_row = {"label": "base", "policy": "snapkv", "budget": 0.1, "gates": None, "scorer_kwargs": {},
+               "allocation_kwargs": {}}
+    assert cell_key(old_row) == cell_key(dict(parse_cell("base:snapkv:0.1"), dtype="float32"))
