@@ -25,6 +25,18 @@ def test_model_args_string_splits_into_load_and_cache_kwargs():
     assert lem.split_model_args("pretrained=/m")[1] == {"policy": "snapkv", "budget": 0.25}
 
 
+def test_model_args_carry_every_tier_option_to_the_cache(qwen):
+    _, cache = lem.split_model_args("pretrained=/m,policy=snapkv,budget=0.5,tiers=int2,int2_share=0.5,window=4,"
+                                    "key_rope=post,spill=true")
+    assert cache == {"policy": "snapkv", "budget": 0.5, "tiers": "int2", "int2_share": 0.5, "window": 4,
+                     "key_rope": "post", "spill": True}
+    built = vlm_kv.make_cache(qwen[0], **cache)
+    assert built.tiers.window == 4 and built.tiers.spill and built.tiers.int2_share == 0.5
+    assert lem.split_model_args("pretrained=/m,tiers=int2,spill=0")[1]["spill"] is False
+    with pytest.raises(ValueError, match="spill must be true or false"):
+        lem.split_model_args("pretrained=/m,tiers=int2,spill=maybe")
+
+
 def test_model_args_already_typed_by_lmms_eval():
     # lmms-eval converts numbers itself and adds batch_size / device from its own flags
     load, cache = lem.split_model_args({"pretrained": "/m", "policy": "full", "budget": 1, "slack": 2.0,
