@@ -195,6 +195,73 @@ def test_route_candidates_follows_the_three_rules():
     assert shuffled.tolist() == [INT2] * 2 + [FP] * 4
 
 
+def _best_split_by_brute_force(values, costs, free, b_q, eps):
+    """(n_fp, n_q) of one group: every k of top windows in FP, INT2 for the next ones the rest buys."""
+    best = None
+    for k in range(len(values)):
+        room = free - sum(costs[:k])
+        if room < 0:
+            break
+        n_q = min(room // b_q, len(values) - k)
+        worth = sum(values[:k]) + eps * sum(values[k : k + n_q])
+        if best is None or worth >= best[0]:
+            best = (worth, k, n_q)
+    return best[1], best[2]
+
+
+def test_value_split_keeps_the_mix_of_fp_and_int2_worth_most():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        eps = [0.3, 0.5, 0.8][trial % 3]
+        router = TierRouter(TierConfig(window=8, int2_value=eps))
+        sizes = [5, 7]
+        group = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sizes)])
+        value = torch.rand(group.numel(), generator=gen, dtype=torch.float64) ** 3
+        cost = torch.randint(80, 121, (group.numel(),), generator=gen)
+        free = torch.randint(30, 500, (2,), generator=gen)
+        b_q = 25
+        out = router._route_candidates(group, value.log(), cost, free, b_q, 2, value)
+        for i in range(2):
+            mine = (group == i).nonzero().flatten()
+            order = mine[torch.argsort(value[mine], descending=True, stable=True)]
+            n_fp, n_q = _best_split_by_brute_force(value[order].tolist(), cost[order].tolist(), int(free[i]), b_q, eps)
+            if int(cost[mine].sum()) <= int(free[i]):
+                n_fp, n_q = len(mine), 0  # rule 1: all of it fits in FP
+            expect = [FP] * n_fp + [INT2] * n_q + [EVICT] * (len(mine) - n_fp - n_q)
+            assert out[order].tolist() == expect, (trial, i)
+
+
+def test_value_split_quantizes_less_when_the_next_windows_are_worth_little():
+    router = TierRouter(TierConfig(window=8, int2_value=0.5))
+    group = torch.zeros(8, dtype=torch.long)
+    cost = torch.full((8,), 100)
+    steep = torch.tensor([8.0, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    flat = torch.full((8,), 1.0, dtype=torch.float64)
+    free = torch.tensor([400])
+    steep_out = router._route_candidates(group, steep.log(), cost, free, 25, 1, steep)
+    flat_out = router._route_candidates(group, flat.log(), cost, free, 25, 1, flat)
+    # steep: 4 FP hold 15 of 15.94, INT2 windows would add less than the FP window they cost;
+    # flat: 3 FP + 4 INT2 (worth 5) tie 2 FP + 6 INT2, and ties go to more FP
+    assert steep_out.tolist() == [FP] * 4 + [EVICT] * 4
+    assert flat_out.tolist() == [FP] * 3 + [INT2] * 4 + [EVICT]
+
+
+def test_int2_value_routes_within_budget_and_needs_additive_scores():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", int2_value=0.5,
+                              gates=tiny_gates(model))
+    steps = record_evictions(cache)
+    feed_tokens(model, cache, random_tokens(64 + 48, batch=2, vocab=model.config.vocab_size), 64)
+    assert steps and all(held <= allowed for held, allowed in steps)
+    assert cache.stats()["per_tier"]["int2_windows"] > 0
+    with pytest.raises(ValueError, match="additive window scores"):
+        vlm_kv.make_cache(model, policy="streaming_llm", budget=0.2, tiers="int2", int2_value=0.5)
+    with pytest.raises(ValueError, match="int2_value must be in"):
+        vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", int2_value=1.5)
+    with pytest.raises(ValueError, match="pass tiers='int2'"):
+        vlm_kv.make_cache(model, policy="h2o", budget=0.2, int2_value=0.5)
+
+
 def test_window_scores_reduce_as_their_scorer_says():
     scores = torch.tensor([1.0, 2.0, float("-inf"), 3.0])
     window = torch.tensor([0, 0, 0, 1])

@@ -52,6 +52,7 @@ def make_cache(
     window: int | None = None,
     key_rope: str | None = None,
     spill: bool | None = None,
+    int2_value: float | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -81,6 +82,9 @@ def make_cache(
     window: with tiers, tokens per window (default 8; 32 for kivi2).
     key_rope: with tiers, quantize keys as cached ("post" RoPE, the default) or rotated back to
         "pre" RoPE at their positions (KIVI's per-channel outliers; standard RoPE only).
+    int2_value: with tiers, split FP / INT2 by value per byte instead of ``int2_share``: an INT2
+        window counts as this fraction (0-1] of its FP worth, and each routing group keeps the mix
+        of FP and INT2 windows worth the most within its bytes (``TierConfig.int2_value``).
     spill: with tiers, keep the original full-precision keys and values of every quantized window
         in host memory (CPU, pinned on CUDA) so promotion back to FP is lossless. Those host bytes
         are NOT counted against ``budget`` (a device budget); ``kv_bytes()["per_tier"]["spill"]``
@@ -100,7 +104,7 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
-    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill)
+    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
@@ -132,7 +136,8 @@ def make_cache(
 
 
 def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
-                 window: int | None, key_rope: str | None = None, spill: bool | None = None) -> TierConfig | None:
+                 window: int | None, key_rope: str | None = None, spill: bool | None = None,
+                 int2_value: float | None = None) -> TierConfig | None:
     """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
     if tiers is not None and tiers not in ("int2", "none"):
         raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
@@ -141,8 +146,9 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if tiers in (None, "none"):
         if spec.default_tiers is not None:
             raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
-        if int2_share is not None or window is not None or key_rope is not None or spill:
-            raise ValueError("int2_share=, window=, key_rope= and spill= configure the INT2 tier: pass tiers='int2' too")
+        if int2_share is not None or window is not None or key_rope is not None or spill or int2_value is not None:
+            raise ValueError("int2_share=, int2_value=, window=, key_rope= and spill= configure the INT2 tier: "
+                             "pass tiers='int2' too")
         return None
     if not spec.tierable:
         usable = ", ".join(name for name, s in POLICIES.items() if s.tierable and s.default_tiers is None)
@@ -162,6 +168,12 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         fields["key_rope"] = key_rope
     if spill is not None:
         fields["spill"] = spill
+    if int2_value is not None:
+        reduce = getattr(spec.scorer, "window_reduce", None)
+        if reduce not in ("sum", "logsumexp"):
+            raise ValueError(f"int2_value= splits FP / INT2 by the value of windows, which needs additive window "
+                             f"scores; policy {key!r} reduces its windows by {reduce!r}: use int2_share= instead")
+        fields["int2_value"] = int2_value
     return TierConfig(**fields)
 
 

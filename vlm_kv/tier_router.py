@@ -56,6 +56,12 @@ class TierConfig:
     memory (the spill tier), so a promotion restores them exactly instead of dequantizing. Host
     bytes, reported as ``kv_bytes()["per_tier"]["spill"]``, are not counted against the (device)
     byte budget; evicting a window frees its copy. Off by default.
+    ``int2_value`` (v, optional): split by value per byte instead of the fixed share. A window
+    kept in INT2 is worth v times what it is worth in FP (its linear score: attention mass, or
+    the summed retention of gated scores); each group takes the number of top windows in FP, and
+    as many next ones in INT2 as the rest of its bytes buy, that maximizes the value held. So the
+    INT2 share follows the scores: a generous budget, whose next windows are worth little,
+    quantizes few; a tight one, many. ``int2_share`` is then unused.
     """
 
     int2_share: float = 0.7
@@ -63,6 +69,7 @@ class TierConfig:
     quantize_all: bool = False
     key_rope: str = "post"  # quantize keys as cached ("post" RoPE) or rotated back to "pre" RoPE
     spill: bool = False
+    int2_value: float | None = None
 
     def __post_init__(self) -> None:
         if self.key_rope not in ("post", "pre"):
@@ -74,6 +81,9 @@ class TierConfig:
             raise ValueError(f"window must be an integer >= 1 (tokens per INT2 window), got {self.window!r}")
         if not isinstance(self.spill, bool):
             raise ValueError(f"spill must be True or False, got {self.spill!r}")
+        v = self.int2_value
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v <= 1.0)):
+            raise ValueError(f"int2_value must be in (0, 1] (an INT2 window's worth relative to FP), got {v!r}")
 
 
 def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedView, torch.Tensor | None]:
@@ -136,6 +146,16 @@ def reduce_windows(scores: torch.Tensor, flat_window: torch.Tensor, size: int, h
     raise ValueError(f"unknown window reduction {how!r}")
 
 
+def window_value(score: torch.Tensor, how: str) -> torch.Tensor:
+    """Linear worth of each window from its reduced score: summed attention as it is, summed log
+    retention exponentiated (both additive over tokens, so values compare within a group)."""
+    if how == "sum":
+        return score.clamp(min=0).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    if how == "logsumexp":
+        return torch.exp(score).nan_to_num(0.0, posinf=0.0)
+    raise ValueError(f"int2_value needs additive window scores (sum or logsumexp), not {how!r}")
+
+
 def _row_groups(mode: str, layer: int, B: int, H: int, device: torch.device) -> torch.Tensor:
     """[B * H] the ranking group of each (batch, kv head) row of one layer: the whole sequence
     ("global"), the (layer, batch) pair ("layer", AdaKV) or the row itself ("row")."""
@@ -196,7 +216,7 @@ class TierRouter:
         mode = "global" if allocation.is_global else "layer" if isinstance(allocation, HeadAdaptive) else "row"
         device = routings[0].scores.device
         B, H = routings[0].scores.shape[:2]
-        table = {k: [] for k in ("group", "score", "fp_cost", "forced", "layer", "index")}
+        table = {k: [] for k in ("group", "score", "fp_cost", "forced", "layer", "index", "value")}
         row_bytes, row_group = [], []
         b_q = layers[0].tier.window_bytes()
         for li, (layer, r) in enumerate(zip(layers, routings)):
@@ -221,12 +241,14 @@ class TierRouter:
             row_group.append(groups_of_rows)
             table["group"].append(groups_of_rows[ids // Wn])
             table["score"].append(score[ids])
+            if self.config.int2_value is not None:
+                table["value"].append(window_value(score[ids], reduce))
             table["fp_cost"].append(fp_cost[ids])
             table["forced"].append(forced[ids])
             table["layer"].append(torch.full_like(ids, li))
             table["index"].append(ids)
             row_bytes.append(r.cap.view(B, 1).expand(B, H).reshape(-1) * b_tok)
-        t = {k: torch.cat(v) for k, v in table.items()}
+        t = {k: torch.cat(v) for k, v in table.items() if v}
         groups = int(torch.cat(row_group).max()) + 1
         budget = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, torch.cat(row_group), torch.cat(row_bytes))
         forced_cost = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, t["group"], t["fp_cost"] * t["forced"])
@@ -237,7 +259,9 @@ class TierRouter:
         decision[t["forced"]] = FP
         cand = torch.nonzero(~t["forced"]).flatten()
         if cand.numel():
-            decision[cand] = self._route_candidates(t["group"][cand], t["score"][cand], t["fp_cost"][cand], free, b_q, groups)
+            value = t["value"][cand] if "value" in t else None
+            decision[cand] = self._route_candidates(t["group"][cand], t["score"][cand], t["fp_cost"][cand], free, b_q,
+                                                    groups, value)
         in_fallback = fallback_group[t["group"]]
         decision[in_fallback & ~t["forced"]] = EVICT
 
@@ -251,7 +275,7 @@ class TierRouter:
         return decisions, fallbacks
 
     def _route_candidates(self, group: torch.Tensor, score: torch.Tensor, cost: torch.Tensor, free: torch.Tensor,
-                          b_q: int, groups: int) -> torch.Tensor:
+                          b_q: int, groups: int, value: torch.Tensor | None = None) -> torch.Tensor:
         """Decisions for the routed (non-forced) windows, ranked per group by score."""
         q = self.config.int2_share
         if self.config.quantize_all:
@@ -281,11 +305,38 @@ class TierRouter:
         use_fit = fit_exists & (n_fit >= n_spec)
         n_fp = torch.where(use_fit, n_fit, n_spec)
         n_q = torch.where(use_fit, n - n_fit, slots)
+        if value is not None:
+            n_fp, n_q = self._split_by_value(g, rank, n, start, c, cum, value[order], free, b_q, groups)
         out = torch.where(rank < n_fp[g], FP, torch.where(rank < (n_fp + n_q)[g], INT2, EVICT))
         out = torch.where(all_fp, torch.full_like(out, FP), out)
         result = torch.empty_like(out)
         result[order] = out
         return result
+
+    def _split_by_value(self, g: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
+                        c: torch.Tensor, cum: torch.Tensor, v: torch.Tensor, free: torch.Tensor, b_q: int,
+                        groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_fp, n_q) per group maximizing FP value + int2_value * INT2 value within the bytes.
+
+        Candidate k FP windows (the top k, k = each rank; all-FP is rule 1) leaves
+        ``free - cost(top k)`` for INT2 windows of ``b_q`` bytes each, taken next in rank."""
+        eps = float(self.config.int2_value)
+        group_v = torch.zeros(groups, dtype=v.dtype, device=v.device).index_add_(0, g, v)
+        cum_v = torch.cumsum(v, 0) - (torch.cumsum(group_v, 0) - group_v)[g]  # inclusive, within group
+        v_before = cum_v - v
+        room = free[g] - (cum - c)  # bytes left with the windows ranked above this one in FP
+        n_q = torch.minimum(torch.div(room.clamp(min=0), b_q, rounding_mode="floor"), n[g] - rank)
+        last = start[g] + rank + n_q - 1  # the last INT2 window's place, in group order
+        v_upto = torch.where(rank + n_q > 0, cum_v[last.clamp(min=0)], torch.zeros_like(v))
+        worth = (v_before + eps * (v_upto - v_before)).masked_fill(room < 0, float("-inf"))
+        best = torch.full((groups,), float("-inf"), dtype=worth.dtype, device=v.device)
+        best.scatter_reduce_(0, g, worth, reduce="amax")
+        at_best = worth == best[g]
+        k = torch.zeros(groups, dtype=torch.long, device=v.device)  # ties: the most FP windows
+        k.scatter_reduce_(0, g[at_best], rank[at_best], reduce="amax")
+        q_of = torch.zeros(groups, dtype=torch.long, device=v.device)
+        q_of[g[at_best & (rank == k[g])]] = n_q[at_best & (rank == k[g])]
+        return k, q_of
 
     # ------------------------------------------------------------------ apply
     def _apply(self, layer, r: _LayerRouting, decision: torch.Tensor, fallback: torch.Tensor) -> None:
