@@ -130,6 +130,10 @@ def test_tier_options_are_checked_before_the_model_loads(shared_data, capsys, no
     assert "--tiers int2" in capsys.readouterr().err
     assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--tiers", "int2", "--int2-share", "1.5")) == 2
     assert "int2_share" in capsys.readouterr().err
+    assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--tiers", "int2", "--int2-value", "0")) == 2
+    assert "int2_value" in capsys.readouterr().err
+    assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--int2-value", "0.5")) == 2
+    assert "--tiers int2" in capsys.readouterr().err
 
 
 def test_fidelity_with_tiers_reports_them_and_holds_the_budget(shared_data, capsys, monkeypatch, smollm2):

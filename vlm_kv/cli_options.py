@@ -11,6 +11,9 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="route windows to full precision / INT2 / evicted under the same byte budget (QEvict tiers)")
     p.add_argument("--int2-share", type=float, default=None,
                    help="with --tiers: share of the routed bytes spent on INT2 when something must go (default 0.7)")
+    p.add_argument("--int2-value", type=float, default=None,
+                   help="with --tiers: split FP / INT2 by value per byte instead of --int2-share, an INT2 window "
+                        "counting as this fraction of its FP worth (0-1]")
     p.add_argument("--window", type=int, default=None, help="with --tiers: tokens per INT2 window (default 8)")
     p.add_argument("--key-rope", choices=("post", "pre"), default=None,
                    help="with --tiers: quantize keys as cached (post-RoPE, default) or rotated back to pre-RoPE")
@@ -26,6 +29,8 @@ def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["tiers"] = args.tiers
     if getattr(args, "int2_share", None) is not None:
         kw["int2_share"] = args.int2_share
+    if getattr(args, "int2_value", None) is not None:
+        kw["int2_value"] = args.int2_value
     if getattr(args, "window", None) is not None:
         kw["window"] = args.window
     if getattr(args, "key_rope", None) is not None:
@@ -33,7 +38,8 @@ def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "spill", None):
         kw["spill"] = True
     if kw and "tiers" not in kw:
-        raise ValueError("--int2-share, --window, --key-rope and --spill configure the INT2 tier: add --tiers int2")
+        raise ValueError("--int2-share, --int2-value, --window, --key-rope and --spill configure the INT2 tier: "
+                         "add --tiers int2")
     if kw:
         from vlm_kv.tier_router import TierConfig
 
