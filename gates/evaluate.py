@@ -59,7 +59,9 @@ def cell_key(cell: dict) -> str:
         opts.append(cell["cache_kwargs"])
     if cell.get("dtype", "float32") != "float32":
         opts.append(cell["dtype"])
-    return f"{cell['label']}|{cell['policy']}|{cell['budget']}|{json.dumps(opts, sort_keys=True)}"
+    # the run the cell is measured on: one --out can then hold several passages
+    run = [cell[k] for k in ("text", "offset", "context", "continuation") if k in cell]
+    return f"{cell['label']}|{cell['policy']}|{cell['budget']}|{json.dumps(opts, sort_keys=True)}|{run}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_kv.smollm2 import load_model
 
     for cell in args.cell:
-        cell["dtype"] = args.dtype
+        cell.update(dtype=args.dtype, text=os.path.basename(args.text), offset=args.offset, context=args.context,
+                    continuation=args.continuation)
     done = set()
     if os.path.exists(args.out):
         with open(args.out) as fh:

@@ -31,3 +31,9 @@ def test_cells_take_tier_and_recent_options_and_key_them_with_the_dtype():
     old_row = {"label": "base", "policy": "snapkv", "budget": 0.1, "gates": None, "scorer_kwargs": {},
                "allocation_kwargs": {}}
     assert cell_key(old_row) == cell_key(dict(parse_cell("base:snapkv:0.1"), dtype="float32"))
+
+
+def test_cell_keys_tell_passages_apart():
+    row = dict(parse_cell("s:dbtrimkv:0.1"), dtype="float32", text="pg84.txt", context=2048, continuation=128)
+    assert cell_key(dict(row, offset=100000)) != cell_key(dict(row, offset=175000))
+    assert cell_key(dict(row, offset=100000)) == cell_key(dict(row, offset=100000))
