@@ -277,7 +277,6 @@ class TierRouter:
     def _route_candidates(self, group: torch.Tensor, score: torch.Tensor, cost: torch.Tensor, free: torch.Tensor,
                           b_q: int, groups: int, value: torch.Tensor | None = None) -> torch.Tensor:
         """Decisions for the routed (non-forced) windows, ranked per group by score."""
-        q = self.config.int2_share
         if self.config.quantize_all:
             return torch.full_like(group, INT2)
         by_score = torch.argsort(score, descending=True, stable=True)
@@ -289,8 +288,22 @@ class TierRouter:
         group_cost = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, c)
         # inclusive prefix cost within each group (the order is by group, then by rank)
         cum = torch.cumsum(c, 0) - (torch.cumsum(group_cost, 0) - group_cost)[g]
-        room = free[g].double()
         all_fp = (group_cost <= free)[g]
+        if value is not None:
+            n_fp, n_q = self._split_by_value(g, rank, n, start, c, cum, value[order], free, b_q, groups)
+        else:
+            n_fp, n_q = self._split_by_share(g, rank, n, c, cum, free, b_q, groups)
+        out = torch.where(rank < n_fp[g], FP, torch.where(rank < (n_fp + n_q)[g], INT2, EVICT))
+        out = torch.where(all_fp, torch.full_like(out, FP), out)
+        result = torch.empty_like(out)
+        result[order] = out
+        return result
+
+    def _split_by_share(self, g: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, c: torch.Tensor,
+                        cum: torch.Tensor, free: torch.Tensor, b_q: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_fp, n_q) per group by rules 2 and 3 (the fixed INT2 share q)."""
+        q = self.config.int2_share
+        room = free[g].double()
         # rule 2: the most FP windows with every other window fitting as INT2
         fits = (cum + (n[g] - rank - 1) * b_q) <= room
         first_miss = torch.full((groups,), 2**62, dtype=torch.long, device=g.device)
@@ -305,13 +318,7 @@ class TierRouter:
         use_fit = fit_exists & (n_fit >= n_spec)
         n_fp = torch.where(use_fit, n_fit, n_spec)
         n_q = torch.where(use_fit, n - n_fit, slots)
-        if value is not None:
-            n_fp, n_q = self._split_by_value(g, rank, n, start, c, cum, value[order], free, b_q, groups)
-        out = torch.where(rank < n_fp[g], FP, torch.where(rank < (n_fp + n_q)[g], INT2, EVICT))
-        out = torch.where(all_fp, torch.full_like(out, FP), out)
-        result = torch.empty_like(out)
-        result[order] = out
-        return result
+        return n_fp, n_q
 
     def _split_by_value(self, g: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
                         c: torch.Tensor, cum: torch.Tensor, v: torch.Tensor, free: torch.Tensor, b_q: int,
@@ -334,8 +341,9 @@ class TierRouter:
         at_best = worth == best[g]
         k = torch.zeros(groups, dtype=torch.long, device=v.device)  # ties: the most FP windows
         k.scatter_reduce_(0, g[at_best], rank[at_best], reduce="amax")
+        chosen = at_best & (rank == k[g])
         q_of = torch.zeros(groups, dtype=torch.long, device=v.device)
-        q_of[g[at_best & (rank == k[g])]] = n_q[at_best & (rank == k[g])]
+        q_of[g[chosen]] = n_q[chosen]
         return k, q_of
 
     # ------------------------------------------------------------------ apply
