@@ -51,6 +51,8 @@ def test_bench_checks_budgets_and_policies_before_timing(capsys, no_model_load):
     assert "budget" in capsys.readouterr().err
     assert main(["bench", "--contexts", "64", "--policies", "snapkv,nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+    assert main(["bench", "--contexts", "64", "--repeats", "0", "--interleave"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_demo_checks_budget_and_policy_first(capsys, no_model_load):

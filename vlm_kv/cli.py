@@ -113,6 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--contexts must be >= 2 tokens, got {args.contexts}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.steps < 1 or args.repeats < 1:
+        raise ValueError(f"--steps and --repeats must be >= 1, got {args.steps} and {args.repeats}")
     if args.strategy and "polykv" not in policies:
         raise ValueError("--strategy is for policy 'polykv'; add polykv to --policies")
     _check_text(args.text)
