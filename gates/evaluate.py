@@ -7,9 +7,10 @@
         --cell new-thr:dbtrimkv_threshold:1.0:gates=runs/main,log_alpha=-6
 
 A cell is ``LABEL:POLICY:BUDGET[:key=value,...]``; keys: ``gates`` (folder), ``num_sinks`` and
-``recent_ratio`` (scorer), ``log_alpha`` (threshold allocation), ``min_per_head`` (global allocation), ``tiers``, ``int2_share``, ``int2_value`` and
-``window`` (recoverable INT2 tiers, as ``make_cache`` takes them). ``--dtype bfloat16`` runs the
-model and every cache in bf16 (budgets are fractions of the full cache in that dtype). Each finished cell is appended to ``--out``
+``recent_ratio`` (scorer), ``log_alpha`` (threshold allocation), ``min_per_head`` (global
+allocation), ``tiers``, ``int2_share``, ``int2_value`` and ``window`` (recoverable INT2 tiers, as
+``make_cache`` takes them). ``--dtype bfloat16`` runs the model and every cache in bf16 (budgets
+are fractions of the full cache in that dtype). Each finished cell is appended to ``--out``
 as one JSON line (with kl, top1, nll, full_nll, bytes) and skipped when the file already
 has it, so an interrupted grid resumes; ``--csv`` writes the table of every line.
 """

@@ -260,6 +260,8 @@ def test_int2_value_routes_within_budget_and_needs_additive_scores():
         vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", int2_value=1.5)
     with pytest.raises(ValueError, match="pass tiers='int2'"):
         vlm_kv.make_cache(model, policy="h2o", budget=0.2, int2_value=0.5)
+    with pytest.raises(ValueError, match="pass one of them"):
+        vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", int2_value=0.5, int2_share=0.3)
 
 
 def test_window_scores_reduce_as_their_scorer_says():

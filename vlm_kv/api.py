@@ -169,6 +169,8 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if spill is not None:
         fields["spill"] = spill
     if int2_value is not None:
+        if int2_share is not None:
+            raise ValueError("int2_share= and int2_value= are two ways to split FP / INT2: pass one of them")
         reduce = getattr(spec.scorer, "window_reduce", None)
         if reduce not in ("sum", "logsumexp"):
             raise ValueError(f"int2_value= splits FP / INT2 by the value of windows, which needs additive window "
