@@ -11,10 +11,13 @@ from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_token
 from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig, TierRouter, reduce_windows
 
 TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_llm", "dbtrimkv"]
+# 300 decode steps for three scorers (window mass per row, observation window per layer, gates globally);
+# the other scorers share the code path and run a shorter stream
+LONG = {"qevict", "adakv", "dbtrimkv"}
 
 
-def _kwargs(policy, model):
-    kw = {}
+def _kwargs(policy, model, fp_unit=None):
+    kw = {} if fp_unit is None else {"fp_unit": fp_unit}
     if policy in ("snapkv", "adakv", "pyramidkv"):
         kw["scorer_kwargs"] = {"window": 8}
     if policy == "dbtrimkv":
@@ -28,15 +31,10 @@ def _kwargs(policy, model):
 
 
 
-# 300 decode steps for three scorers (window mass per row, observation window per layer, gates globally);
-# the other scorers share the code path and run a shorter stream
-LONG = {"qevict", "adakv", "dbtrimkv"}
-
-
-@pytest.mark.parametrize("policy", TIERED)
-def test_held_bytes_stay_within_budget_at_every_routing_event(policy):
+@pytest.mark.parametrize("policy, fp_unit", [(p, None) for p in TIERED] + [(p, "token") for p in sorted(LONG)])
+def test_held_bytes_stay_within_budget_at_every_routing_event(policy, fp_unit):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model))
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model, fp_unit))
     steps = record_evictions(cache)
     decode = 300 if policy in LONG else 64
     feed_tokens(model, cache, random_tokens(64 + decode, batch=2, vocab=model.config.vocab_size), 64)
@@ -61,12 +59,13 @@ def test_tiers_hold_more_tokens_than_eviction_alone_at_the_same_bytes():
     assert tiered.num_entries() > 1.5 * plain.num_entries()
 
 
+@pytest.mark.parametrize("fp_unit", ["window", "token"])
 @pytest.mark.parametrize("policy", ["h2o", "dbtrimkv", "snapkv"])
-def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy):
+def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy, fp_unit):
     model = tiny_model("llama")
     tokens = random_tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
     ref = feed_tokens(model, DynamicCache(config=model.config), tokens, 40)
-    cache = vlm_kv.make_cache(model, policy=policy, budget=1.0, **_kwargs(policy, model))
+    cache = vlm_kv.make_cache(model, policy=policy, budget=1.0, **_kwargs(policy, model, fp_unit))
     out = feed_tokens(model, cache, tokens, 40)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert cache.stats()["per_tier"]["quantized"] == 0
@@ -104,9 +103,10 @@ def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once():
     assert tier.counters.ledger_reuses >= 1 and tier.counters.promotions >= 1
 
 
-def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries():
+@pytest.mark.parametrize("fp_unit", ["window", "token"])  # token: INT2 windows with holes where entries are FP
+def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(fp_unit):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2", fp_unit=fp_unit)
     tokens = random_tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # batch padding on the left
@@ -137,11 +137,13 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries()
             torch.testing.assert_close(out[b, 0, qh], ref[0, 0, 0], rtol=1e-5, atol=1e-5)
 
 
-def test_tiers_with_images_and_a_second_turn_stay_within_budget():
+@pytest.mark.parametrize("fp_unit", ["window", "token"])
+def test_tiers_with_images_and_a_second_turn_stay_within_budget(fp_unit):
     model = tiny_model("qwen2_5_vl")
     turn1 = tiny_inputs(model, num_images=2, text_len=24, seed=0)
     turn2 = tiny_inputs(model, num_images=1, text_len=16, seed=1)
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4, scorer_kwargs={"window": 4},
+                              fp_unit=fp_unit)
     steps = record_evictions(cache)
     with torch.no_grad():
         for turn in (turn1, turn2):
@@ -291,11 +293,15 @@ def test_quantized_windows_round_trip_their_grid():
     ({"policy": "h2o", "tiers": "int4"}, "tiers must be"),
     ({"policy": "h2o", "window": 8}, "pass tiers='int2'"),
     ({"policy": "qevict", "tiers": "none"}, "tiered cache"),
+    ({"policy": "h2o", "tiers": "int2", "fp_unit": "page"}, "fp_unit"),
+    ({"policy": "h2o", "fp_unit": "token"}, "pass tiers='int2'"),
+    ({"policy": "dbtrimkv", "tiers": "int2", "fp_unit": "token", "int2_value": 0.7}, "fp_unit='token'"),
+    ({"policy": "kivi2", "budget": 1.0, "fp_unit": "token"}, "fp_unit='token'"),
 ])
 def test_bad_tier_settings_are_refused_clearly(kwargs, match):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
-        vlm_kv.make_cache(model, budget=0.2, **kwargs)
+        vlm_kv.make_cache(model, **{"budget": 0.2, **kwargs})
 
 
 def test_chunked_prefill_routes_after_every_chunk_within_budget():

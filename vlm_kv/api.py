@@ -53,6 +53,7 @@ def make_cache(
     key_rope: str | None = None,
     spill: bool | None = None,
     int2_value: float | None = None,
+    fp_unit: str | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -89,6 +90,8 @@ def make_cache(
         in host memory (CPU, pinned on CUDA) so promotion back to FP is lossless. Those host bytes
         are NOT counted against ``budget`` (a device budget); ``kv_bytes()["per_tier"]["spill"]``
         reports them. Default off.
+    fp_unit: with tiers, what FP is chosen by: "window" (QEvict, the default) or "token" (single
+        entries by their own scores; INT2 stays per window, with holes where entries are FP).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -104,7 +107,7 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
-    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value)
+    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value, fp_unit)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
@@ -137,7 +140,7 @@ def make_cache(
 
 def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
                  window: int | None, key_rope: str | None = None, spill: bool | None = None,
-                 int2_value: float | None = None) -> TierConfig | None:
+                 int2_value: float | None = None, fp_unit: str | None = None) -> TierConfig | None:
     """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
     if tiers is not None and tiers not in ("int2", "none"):
         raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
@@ -146,8 +149,9 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if tiers in (None, "none"):
         if spec.default_tiers is not None:
             raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
-        if int2_share is not None or window is not None or key_rope is not None or spill or int2_value is not None:
-            raise ValueError("int2_share=, int2_value=, window=, key_rope= and spill= configure the INT2 tier: "
+        if (int2_share is not None or window is not None or key_rope is not None or spill or int2_value is not None
+                or fp_unit is not None):
+            raise ValueError("int2_share=, int2_value=, window=, key_rope=, spill= and fp_unit= configure the INT2 tier: "
                              "pass tiers='int2' too")
         return None
     if not spec.tierable:
@@ -176,6 +180,8 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
             raise ValueError(f"int2_value= splits FP / INT2 by the value of windows, which needs additive window "
                              f"scores; policy {key!r} reduces its windows by {reduce!r}: use int2_share= instead")
         fields["int2_value"] = int2_value
+    if fp_unit is not None:
+        fields["fp_unit"] = fp_unit
     return TierConfig(**fields)
 
 

@@ -92,7 +92,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dict(result.json_fields(), prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                               tiers=args.tiers, int2_share=args.int2_share, int2_value=args.int2_value,
-                              window=args.window, key_rope=args.key_rope)))
+                              window=args.window, key_rope=args.key_rope, fp_unit=args.fp_unit)))
     else:
         r = result
         print(f"policy {r.policy}  budget {r.budget}  context {r.context}  continuation {r.continuation}")

@@ -20,6 +20,9 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spill", action="store_true", default=None,
                    help="with --tiers: keep the original FP keys/values of quantized windows in host memory so "
                         "promotion is lossless (host bytes, outside the budget; reported as the 'spill' tier)")
+    p.add_argument("--fp-unit", choices=("window", "token"), default=None,
+                   help="with --tiers: choose FP by whole windows (QEvict, default) or by single entries "
+                        "(INT2 stays per window)")
 
 
 def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,8 +40,10 @@ def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["key_rope"] = args.key_rope
     if getattr(args, "spill", None):
         kw["spill"] = True
+    if getattr(args, "fp_unit", None) is not None:
+        kw["fp_unit"] = args.fp_unit
     if kw and "tiers" not in kw:
-        raise ValueError("--int2-share, --int2-value, --window, --key-rope and --spill configure the INT2 tier: "
+        raise ValueError("--int2-share, --int2-value, --window, --key-rope, --spill and --fp-unit configure the INT2 tier: "
                          "add --tiers int2")
     if kw:
         from vlm_kv.tier_router import TierConfig

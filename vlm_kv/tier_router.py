@@ -40,8 +40,9 @@ from vlm_kv.allocation import HeadAdaptive, top_k_mask
 from vlm_kv.int2_tier import Int2Tier, NewWindows, QuantizedWindows, SpillCopies
 from vlm_kv.ledger import TokenLedger
 from vlm_kv.storage import Entries, PaddedView
+from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups, window_value
+from vlm_kv import token_routing
 
-FP, INT2, EVICT = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class TierConfig:
     as many next ones in INT2 as the rest of its bytes buy, that maximizes the value held. So the
     INT2 share follows the scores: a generous budget, whose next windows are worth little,
     quantizes few; a tight one, many. ``int2_share`` is then unused.
+    ``fp_unit``: what the FP tier is chosen by. ``"window"`` (QEvict): whole windows.
+    ``"token"``: single entries by their own scores, INT2 still by windows, which may then have
+    holes (``vlm_kv.token_routing``).
     """
 
     int2_share: float = 0.7
@@ -70,8 +74,14 @@ class TierConfig:
     key_rope: str = "post"  # quantize keys as cached ("post" RoPE) or rotated back to "pre" RoPE
     spill: bool = False
     int2_value: float | None = None
+    fp_unit: str = "window"
 
     def __post_init__(self) -> None:
+        if self.fp_unit not in ("window", "token"):
+            raise ValueError(f"fp_unit must be 'window' or 'token', got {self.fp_unit!r}")
+        if self.fp_unit == "token" and (self.quantize_all or self.int2_value is not None):
+            raise ValueError("fp_unit='token' splits FP / INT2 by int2_share; quantize_all and int2_value route "
+                             "whole windows: use fp_unit='window' with them")
         if self.key_rope not in ("post", "pre"):
             raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
         q = self.int2_share
@@ -124,49 +134,6 @@ def unsort(values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(values).scatter_(-1, perm, values)
 
 
-def reduce_windows(scores: torch.Tensor, flat_window: torch.Tensor, size: int, how: str) -> torch.Tensor:
-    """Per-window score from per-entry scores (finite entries only): sum, mean, max or logsumexp."""
-    finite = torch.isfinite(scores)
-    idx = flat_window[finite]
-    s = scores[finite].double()
-    if how == "max" or how == "logsumexp":
-        top = torch.full((size,), float("-inf"), dtype=torch.float64, device=scores.device)
-        top.scatter_reduce_(0, idx, s, reduce="amax")
-        if how == "max":
-            return top
-        total = torch.zeros(size, dtype=torch.float64, device=scores.device)
-        total.index_add_(0, idx, torch.exp(s - top[idx]))
-        return top + torch.log(total)
-    total = torch.zeros(size, dtype=torch.float64, device=scores.device).index_add_(0, idx, s)
-    if how == "sum":
-        return total
-    if how == "mean":
-        count = torch.zeros(size, dtype=torch.float64, device=scores.device).index_add_(0, idx, torch.ones_like(s))
-        return total / count.clamp(min=1)
-    raise ValueError(f"unknown window reduction {how!r}")
-
-
-def window_value(score: torch.Tensor, how: str) -> torch.Tensor:
-    """Linear worth of each window from its reduced score: summed attention as it is, summed log
-    retention exponentiated (both additive over tokens, so values compare within a group)."""
-    if how == "sum":
-        return score.clamp(min=0).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    if how == "logsumexp":
-        return torch.exp(score).nan_to_num(0.0, posinf=0.0)
-    raise ValueError(f"int2_value needs additive window scores (sum or logsumexp), not {how!r}")
-
-
-def _row_groups(mode: str, layer: int, B: int, H: int, device: torch.device) -> torch.Tensor:
-    """[B * H] the ranking group of each (batch, kv head) row of one layer: the whole sequence
-    ("global"), the (layer, batch) pair ("layer", AdaKV) or the row itself ("row")."""
-    rows = torch.arange(B * H, device=device)
-    if mode == "global":
-        return rows // H
-    if mode == "layer":
-        return layer * B + rows // H
-    return layer * B * H + rows
-
-
 @dataclass
 class _LayerRouting:
     """One layer's entries and windows at a routing event."""
@@ -204,9 +171,14 @@ class TierRouter:
             positions = torch.cat([fp.positions, tv.view.positions], dim=2)
             valid = torch.cat([fp.valid, tv.view.valid], dim=2)
             routings.append(_LayerRouting(fp, tv.slot, scores, positions, valid, -(-layer.seen // w), cap_layer))
-        decisions, fallback = self._decide(layers, routings, allocation, scorer)
-        for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
-            self._apply(layer, r, dec, fb)
+        if self.config.fp_unit == "token":
+            decisions, fallback = token_routing.decide_entries(self.config, layers, routings, allocation, scorer)
+            for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
+                token_routing.apply_entries(self.config, layer, r, dec, fb)
+        else:
+            decisions, fallback = self._decide(layers, routings, allocation, scorer)
+            for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
+                self._apply(layer, r, dec, fb)
         evictor.end_step(before, sum(layer.num_entries() for layer in layers))
 
     # ------------------------------------------------------------------ decisions
@@ -237,7 +209,7 @@ class TierRouter:
             exists = count > 0
             fp_cost = count * b_tok + ledger.long() * b_q
             ids = torch.nonzero(exists).flatten()
-            groups_of_rows = _row_groups(mode, li, B, H, device)
+            groups_of_rows = row_groups(mode, li, B, H, device)
             row_group.append(groups_of_rows)
             table["group"].append(groups_of_rows[ids // Wn])
             table["score"].append(score[ids])
@@ -381,7 +353,7 @@ class TierRouter:
 
         insert = self._promoted_entries(tier, promote, store.state_names)
         spill = tier.spill is not None
-        demoted = self._demoted_windows(r.fp, demote, w, Wn, store.state_names, tier.rope, keep_original=spill)
+        demoted = gather_windows(r.fp, demote, w, Wn, store.state_names, tier.rope, keep_original=spill)
         # which demoted windows have a dormant ledger entry: reuse its codes
         new_windows, refreshed = None, None
         keep = stay | keep_dormant | promote | reactivate
@@ -441,66 +413,3 @@ class TierRouter:
             positions=pos[present], modality=tier.modality[idx][present],
             state={n: tier.state[n][idx][present] for n in state_names},
         )
-
-    @staticmethod
-    def _demoted_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names,
-                         rope=None, keep_original: bool = False) -> "_Windows | None":
-        """The FP entries of windows going to INT2, gathered per window ([n, w, ...], by slot);
-        with ``keep_original`` also the keys as cached (post-RoPE) for the spill tier."""
-        b, h, l = torch.nonzero(demote, as_tuple=True)
-        if b.numel() == 0:
-            return None
-        H = fp.keys.shape[1]
-        pos = fp.positions[b, h, l]
-        row = b * H + h
-        wid = pos // w
-        key, inverse = torch.unique(row * Wn + wid, return_inverse=True)
-        n = key.numel()
-        slot = pos - wid * w
-        D = fp.keys.shape[-1]
-        dev = fp.keys.device
-        cached_keys = fp.keys[b, h, l]
-        entry_keys = cached_keys
-        if rope is not None:  # quantize pre-RoPE keys (rotated back at each entry's position)
-            entry_keys = rope.unrotate(entry_keys, pos)
-        keys = torch.zeros(n, w, D, dtype=entry_keys.dtype, device=dev)
-        values = torch.zeros(n, w, D, dtype=fp.values.dtype, device=dev)
-        keys[inverse, slot] = entry_keys
-        values[inverse, slot] = fp.values[b, h, l]
-        present = torch.zeros(n, w, dtype=torch.bool, device=dev)
-        present[inverse, slot] = True
-        # empty slots (evicted or padding before the first token) copy a present entry so the
-        # window's min-max grid is the present entries'
-        first = present.float().argmax(dim=1)
-        ar = torch.arange(n, device=dev)
-        keys = torch.where(present[..., None], keys, keys[ar, first][:, None])
-        values = torch.where(present[..., None], values, values[ar, first][:, None])
-        original_keys = None
-        if keep_original:
-            if rope is None:
-                original_keys = keys  # the cached keys themselves (empty slots are never restored)
-            else:
-                original_keys = torch.zeros(n, w, D, dtype=cached_keys.dtype, device=dev)
-                original_keys[inverse, slot] = cached_keys
-        positions = torch.full((n, w), -1, dtype=torch.int32, device=dev)
-        positions[inverse, slot] = pos.to(torch.int32)
-        modality = torch.zeros(n, w, dtype=torch.uint8, device=dev)
-        modality[inverse, slot] = fp.modality[b, h, l]
-        state = {}
-        for name in state_names:
-            s = torch.zeros(n, w, dtype=torch.float32, device=dev)
-            s[inverse, slot] = fp.state[name][b, h, l]
-            state[name] = s
-        return _Windows(keys, values, key // Wn, key % Wn, positions, modality, state, original_keys)
-
-
-@dataclass
-class _Windows:
-    keys: torch.Tensor
-    values: torch.Tensor
-    row: torch.Tensor
-    window_id: torch.Tensor
-    positions: torch.Tensor
-    modality: torch.Tensor
-    state: dict[str, torch.Tensor]
-    original_keys: torch.Tensor | None = None  # keys as cached (post-RoPE), for the spill tier

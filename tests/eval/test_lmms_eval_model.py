@@ -27,11 +27,12 @@ def test_model_args_string_splits_into_load_and_cache_kwargs():
 
 def test_model_args_carry_every_tier_option_to_the_cache(qwen):
     _, cache = lem.split_model_args("pretrained=/m,policy=snapkv,budget=0.5,tiers=int2,int2_share=0.5,window=4,"
-                                    "key_rope=post,spill=true")
+                                    "key_rope=post,spill=true,fp_unit=token")
     assert cache == {"policy": "snapkv", "budget": 0.5, "tiers": "int2", "int2_share": 0.5, "window": 4,
-                     "key_rope": "post", "spill": True}
+                     "key_rope": "post", "spill": True, "fp_unit": "token"}
     built = vlm_kv.make_cache(qwen[0], **cache)
     assert built.tiers.window == 4 and built.tiers.spill and built.tiers.int2_share == 0.5
+    assert built.tiers.fp_unit == "token"
     assert lem.split_model_args("pretrained=/m,tiers=int2,spill=0")[1]["spill"] is False
     with pytest.raises(ValueError, match="spill must be true or false"):
         lem.split_model_args("pretrained=/m,tiers=int2,spill=maybe")

@@ -1,0 +1,178 @@
+"""Token-granular FP routing (``fp_unit="token"``): FP entries chosen one by one, INT2 windows
+with holes, the write-once ledger per slot, and the byte charges."""
+import pytest
+import torch
+
+import vlm_kv
+from vlm_kv import token_routing
+from vlm_kv.testing import feed_tokens, random_tokens, record_evictions, tiny_gates, tiny_model
+from vlm_kv.tier_windows import FP, INT2
+
+
+def _rows(layer):
+    """Per (batch, kv head) row: FP positions and attended INT2 positions of one layer."""
+    fp = layer.store.padded_view()
+    tier = layer.tier
+    B, H = fp.positions.shape[:2]
+    out = []
+    for b in range(B):
+        for h in range(H):
+            fp_pos = fp.positions[b, h][fp.valid[b, h]].tolist()
+            mine = tier.active & (tier.row == b * H + h)
+            q_pos = tier.positions[mine]
+            out.append((fp_pos, q_pos[q_pos >= 0].tolist(), tier.window_id[tier.row == b * H + h].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["h2o", "dbtrimkv"])
+def test_int2_windows_have_holes_where_entries_are_fp_and_no_entry_is_held_twice(policy):
+    model = tiny_model("llama")
+    kw = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers="int2", fp_unit="token", int2_share=0.5, **kw)
+    feed_tokens(model, cache, random_tokens(96 + 40, batch=2, vocab=model.config.vocab_size), 96)
+    holes = 0
+    for layer in cache.layers:
+        for fp_pos, q_pos, windows in _rows(layer):
+            assert not set(fp_pos) & set(q_pos)  # an entry is attended from one tier only
+            assert len(set(q_pos)) == len(q_pos)
+            ledgered = set(windows)
+            # an FP entry in a ledgered window is a hole of that window (its codes stay for a later demotion)
+            holes += sum(1 for p in fp_pos if p // 8 in ledgered)
+    assert holes > 0
+    assert cache.stats()["per_tier"]["int2_entries"] > 0
+
+
+def _force_entry(cache, monkeypatch, row: int, position: int, decision: int) -> None:
+    """One routing event in which the entry at ``position`` of layer 0, row ``row`` gets ``decision``."""
+    decide = token_routing.decide_entries
+
+    def patched(config, layers, routings, allocation, scorer):
+        decisions, fallback = decide(config, layers, routings, allocation, scorer)
+        H = decisions[0].shape[1]
+        r = routings[0]
+        hit = (r.positions[row // H, row % H] == position) & r.valid[row // H, row % H]
+        assert int(hit.sum()) == 1
+        decisions[0][row // H, row % H][hit] = decision
+        return decisions, fallback
+
+    monkeypatch.setattr(token_routing, "decide_entries", patched)
+    try:
+        cache.evict()
+    finally:
+        monkeypatch.setattr(token_routing, "decide_entries", decide)
+
+
+def test_one_entry_moves_between_tiers_through_the_same_codes(monkeypatch):
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", fp_unit="token")
+    feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
+    tier = cache.layers[0].tier
+    i = int(torch.nonzero(tier.active).flatten()[0])
+    row, wid = int(tier.row[i]), int(tier.window_id[i])
+    slot = int(torch.nonzero(tier.positions[i] >= 0).flatten()[0])
+    position = int(tier.positions[i, slot])
+    codes = [t.clone() for t in tier.codes.select(torch.tensor([i]))._tensors()]
+    quantized = tier.counters.quantized
+
+    def window():
+        hit = ((tier.row == row) & (tier.window_id == wid)).nonzero().flatten()
+        assert hit.numel() == 1  # the window stays in the ledger while one of its entries lives
+        return int(hit[0])
+
+    _force_entry(cache, monkeypatch, row, position, FP)  # promoted alone
+    j = window()
+    assert int(tier.positions[j, slot]) == -1
+    fp = cache.layers[0].store.padded_view()
+    H = fp.positions.shape[1]
+    assert position in fp.positions[row // H, row % H][fp.valid[row // H, row % H]].tolist()
+    _force_entry(cache, monkeypatch, row, position, INT2)  # demoted again: the stored codes, not new ones
+    j = window()
+    assert int(tier.positions[j, slot]) == position
+    for a, b in zip(codes, tier.codes.select(torch.tensor([j]))._tensors()):
+        assert torch.equal(a, b)
+    assert tier.counters.quantized == quantized
+    assert tier.counters.ledger_reuses >= 1 and tier.counters.promotions >= 1
+
+
+def test_no_int2_share_holds_full_precision_entries_only():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.25, tiers="int2", fp_unit="token", int2_share=0.0)
+    steps = record_evictions(cache)
+    feed_tokens(model, cache, random_tokens(96 + 24, vocab=model.config.vocab_size), 96)
+    assert cache.stats()["per_tier"]["quantized"] == 0
+    assert all(held <= allowed for held, allowed in steps)
+    # FP is chosen per entry: the rows do not hold whole windows only
+    partial = 0
+    for fp_pos, _, _ in _rows(cache.layers[0]):
+        counts = torch.bincount(torch.tensor(fp_pos) // 8)
+        partial += int(((counts > 0) & (counts < 8)).sum())
+    assert partial > 0
+
+
+def test_token_routing_holds_more_fp_bytes_than_window_routing_leaves_unused():
+    """Both routers spend the same bytes; the entry router fills them to within one entry and
+    one window per group (the window router to within one FP window)."""
+    model = tiny_model("llama")
+    tokens = random_tokens(128 + 16, batch=2, vocab=model.config.vocab_size)
+    for fp_unit in ("window", "token"):
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", fp_unit=fp_unit)
+        steps = record_evictions(cache)
+        feed_tokens(model, cache, tokens, 128)
+        assert all(held <= allowed for held, allowed in steps)
+        if fp_unit == "token":
+            per_entry = cache.layers[0].store.bytes_per_entry
+            b_q = cache.layers[0].tier.window_bytes()
+            rows = len(cache.layers) * 2 * model.config.num_key_value_heads
+            held, allowed = steps[0]
+            assert allowed - held <= rows * (per_entry + b_q)
+
+
+def test_chunked_prefill_and_a_second_turn_route_by_entries_within_budget():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, tiers="int2", fp_unit="token",
+                              gates=tiny_gates(model), prefill_chunk=32)
+    steps = record_evictions(cache)
+    feed_tokens(model, cache, random_tokens(96 + 16, vocab=model.config.vocab_size), 96)
+    feed_tokens(model, cache, random_tokens(40 + 8, vocab=model.config.vocab_size, seed=3), 40)
+    assert cache.chunked_prefills >= 1 and len(steps) >= 5
+    assert all(held <= allowed for held, allowed in steps)
+    assert cache.stats()["per_tier"]["int2_entries"] > 0
+
+
+@pytest.mark.parametrize("spill, key_rope", [(True, "post"), (True, "pre"), (False, "post")])
+def test_a_promoted_entry_is_its_original_only_with_spill(monkeypatch, spill, key_rope):
+    model = tiny_model("llama")
+    tokens = random_tokens(64, vocab=model.config.vocab_size)
+    ref = vlm_kv.make_cache(model, policy="full", budget=1.0)
+    with torch.no_grad():
+        model(input_ids=tokens, past_key_values=ref, use_cache=True)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", fp_unit="token", spill=spill,
+                              key_rope=key_rope)
+    feed_tokens(model, cache, tokens, 64)
+    tier = cache.layers[0].tier
+    i = int(torch.nonzero(tier.active).flatten()[0])
+    row = int(tier.row[i])
+    position = int(tier.positions[i][tier.positions[i] >= 0][0])
+    _force_entry(cache, monkeypatch, row, position, FP)
+    fp = cache.layers[0].store.padded_view(with_values=True)
+    H = fp.positions.shape[1]
+    at = (fp.positions[row // H, row % H] == position) & fp.valid[row // H, row % H]
+    key, value = fp.keys[row // H, row % H][at][0], fp.values[row // H, row % H][at][0]
+    ref_k, ref_v = ref.layers[0].keys[row // H, row % H, position], ref.layers[0].values[row // H, row % H, position]
+    assert torch.equal(key, ref_k) == spill and torch.equal(value, ref_v) == spill
+    if not spill:
+        torch.testing.assert_close(key, ref_k, rtol=0, atol=float(ref_k.abs().max()))  # lossy, same entry
+
+
+def test_fp_unit_cli_option_reaches_the_cache_and_needs_tiers():
+    import argparse
+
+    from vlm_kv.cli_options import add_tier_args, tier_kwargs
+
+    p = argparse.ArgumentParser()
+    add_tier_args(p)
+    kw = tier_kwargs(p.parse_args(["--tiers", "int2", "--fp-unit", "token"]))
+    assert kw == {"tiers": "int2", "fp_unit": "token"}
+    assert vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2, **kw).tiers.fp_unit == "token"
+    with pytest.raises(ValueError, match="--fp-unit"):
+        tier_kwargs(p.parse_args(["--fp-unit", "token"]))
