@@ -176,3 +176,20 @@ def test_fp_unit_cli_option_reaches_the_cache_and_needs_tiers():
     assert vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2, **kw).tiers.fp_unit == "token"
     with pytest.raises(ValueError, match="--fp-unit"):
         tier_kwargs(p.parse_args(["--fp-unit", "token"]))
+
+
+def test_dbtrimkv_tiers_choose_fp_by_entries_by_default_and_other_policies_by_windows():
+    model = tiny_model("llama")
+    gates = tiny_gates(model)
+    tiers = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates).tiers
+    assert (tiers.fp_unit, tiers.int2_share) == ("token", 0.5)
+    # what the caller says wins; the value split routes whole windows
+    assert vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates,
+                             fp_unit="window").tiers.fp_unit == "window"
+    assert vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates,
+                             int2_share=0.7).tiers.int2_share == 0.7
+    valued = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, int2_value=0.7).tiers
+    assert (valued.fp_unit, valued.int2_value) == ("window", 0.7)
+    plain = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2").tiers
+    assert (plain.fp_unit, plain.int2_share) == ("window", 0.7)
+    assert vlm_kv.make_cache(model, policy="qevict", budget=0.2).tiers.fp_unit == "window"

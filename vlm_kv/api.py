@@ -79,7 +79,7 @@ def make_cache(
         attended, can be promoted back) or evicted, ranked by the policy's scores under the same
         byte budget (QEvict's recoverable tiers); ``qevict`` and ``kivi2`` are tiered by themselves.
     int2_share: with tiers, the share of the routed bytes spent on INT2 windows when something
-        must be evicted (default 0.7), in [0, 1).
+        must be evicted (default 0.7; 0.5 for dbtrimkv), in [0, 1).
     window: with tiers, tokens per window (default 8; 32 for kivi2).
     key_rope: with tiers, quantize keys as cached ("post" RoPE, the default) or rotated back to
         "pre" RoPE at their positions (KIVI's per-channel outliers; standard RoPE only).
@@ -90,8 +90,9 @@ def make_cache(
         in host memory (CPU, pinned on CUDA) so promotion back to FP is lossless. Those host bytes
         are NOT counted against ``budget`` (a device budget); ``kv_bytes()["per_tier"]["spill"]``
         reports them. Default off.
-    fp_unit: with tiers, what FP is chosen by: "window" (QEvict, the default) or "token" (single
-        entries by their own scores; INT2 stays per window, with holes where entries are FP).
+    fp_unit: with tiers, what FP is chosen by: "window" (QEvict; the default) or "token" (single
+        entries by their own scores; INT2 stays per window, with holes where entries are FP; the
+        default for dbtrimkv, whose gates score single entries).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -163,7 +164,10 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if getattr(alloc, "modality_floor", None) or getattr(alloc, "modality_cap", None) or getattr(alloc, "min_per_head", 0):
         raise ValueError("modality floors/caps and min_per_head of the global allocation are not applied by the tier "
                          "router; drop them or tiers")
-    fields = dict(spec.default_tiers or {})
+    fields = dict(spec.default_tiers if spec.default_tiers is not None else spec.tier_settings or {})
+    if int2_value is not None and fp_unit is None:
+        # the value split routes whole windows: the policy's entry-level settings do not apply to it
+        fields = {k: v for k, v in fields.items() if k not in ("fp_unit", "int2_share")}
     if int2_share is not None:
         fields["int2_share"] = int2_share
     if window is not None:

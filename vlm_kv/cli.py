@@ -198,13 +198,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.evict_every < 1:
             raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
         kwargs["evict_every"] = args.evict_every
-    if args.int2_share is not None and args.tiers is None:
-        raise ValueError("--int2-share needs --tiers int2")
+    if (args.int2_share is not None or args.fp_unit is not None) and args.tiers is None:
+        raise ValueError("--int2-share and --fp-unit need --tiers int2")
     if args.tiers is not None:
         from vlm_kv.tier_router import TierConfig
 
-        TierConfig(int2_share=0.7 if args.int2_share is None else args.int2_share, window=args.window)
+        TierConfig(int2_share=0.7 if args.int2_share is None else args.int2_share, window=args.window,
+                   fp_unit=args.fp_unit or "window")
         kwargs.update(tiers=args.tiers, int2_share=args.int2_share)  # diagnose passes window= with them
+        if args.fp_unit is not None:
+            kwargs["fp_unit"] = args.fp_unit
     _check_text(args.text)
     _check_model(args.model)
     model, tok = _load(args.model, args.dtype)
@@ -232,6 +235,8 @@ def _add_diagnose_parser(sub) -> None:
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
     p.add_argument("--tiers", choices=("int2",), default=None, help="recoverable INT2 tier (QEvict); passes window= too")
     p.add_argument("--int2-share", type=float, default=None, help="share of the evictable budget spent on INT2 (with --tiers)")
+    p.add_argument("--fp-unit", choices=("window", "token"), default=None,
+                   help="with --tiers: choose FP by whole windows (default) or by single entries")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="write a PNG: FMM and churn per event vs decode step")

@@ -40,6 +40,7 @@ class PolicySpec:
     visual_only: bool = False     # evicts image/video entries only; text always stays
     tierable: bool = True         # its scores can rank windows for the FP / INT2 / evicted tiers
     default_tiers: dict | None = None  # the policy IS a tiered cache: TierConfig fields it uses
+    tier_settings: dict | None = None  # TierConfig fields it gets with tiers="int2" (measured, docs/tiers.md)
 
     @property
     def needs_gates(self) -> bool:
@@ -61,8 +62,10 @@ POLICIES: dict[str, PolicySpec] = {
     "visionzip": PolicySpec(VisionZip, Uniform, "dominant visual tokens + one per contextual group; text kept",
                             visual_only=True, tierable=False),
     "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
+    # tiered: FP per entry, INT2 share 0.5 (session 7, docs/tiers.md: lower KL than QEvict's whole
+    # windows with q 0.7 on pg84 and on the training text at 0.05 / 0.1 / 0.25)
     "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
-                           gate_kind="dbtrimkv"),
+                           gate_kind="dbtrimkv", tier_settings={"fp_unit": "token", "int2_share": 0.5}),
     "dbtrimkv_threshold": PolicySpec(RetentionScorer, RetentionThreshold,
                                      "coupled retention gates, keep while score >= log alpha (no fixed budget)",
                                      gate_kind="dbtrimkv", tierable=False),
