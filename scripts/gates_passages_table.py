@@ -1,6 +1,6 @@
 """KL / top-1 of several gate sets over several pg84 passages, as a markdown table with the mean.
 
-    python scripts/gates_passages_table.py docs/gates_v2/fidelity_pg84_4passages.jsonl
+    python scripts/gates_passages_table.py docs/gates_v2/fidelity_pg84_4passages.jsonl [LABEL ...]
 
 Input: JSON lines of `python -m vlm_kv.gates.evaluate` (one per label x budget x offset)."""
 import json
@@ -8,8 +8,10 @@ import sys
 from collections import defaultdict
 
 
-def main(path: str) -> None:
+def main(path: str, labels_wanted: list[str]) -> None:
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    if labels_wanted:  # only these labels, in this order
+        rows = sorted((r for r in rows if r["label"] in labels_wanted), key=lambda r: labels_wanted.index(r["label"]))
     offsets = sorted({r["offset"] for r in rows})
     cells = defaultdict(dict)
     for r in rows:
@@ -29,4 +31,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
