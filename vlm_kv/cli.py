@@ -198,8 +198,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.evict_every < 1:
             raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
         kwargs["evict_every"] = args.evict_every
-    if (args.int2_share is not None or args.fp_unit is not None) and args.tiers is None:
-        raise ValueError("--int2-share and --fp-unit need --tiers int2")
+    for given, flag in ((args.int2_share, "--int2-share"), (args.fp_unit, "--fp-unit")):
+        if given is not None and args.tiers is None:
+            raise ValueError(f"{flag} needs --tiers int2")
     if args.tiers is not None:
         from vlm_kv.tier_router import TierConfig
 
