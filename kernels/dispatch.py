@@ -94,12 +94,14 @@ def mixed_decode_attention(
     scaling: float | None,
     backend: str = "auto",
     validate: bool = True,
+    slot_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One softmax over FP pages and INT2 windows with the chosen backend; returns [B, Hq, D]."""
+    """One softmax over FP pages and INT2 windows with the chosen backend; returns [B, Hq, D].
+    ``slot_mask`` [num_windows, w] bool: the attended slots of windows with holes (None: all)."""
     args = (query, key_pool, value_pool, block_table, lengths, key_codes, key_scale, key_zero,
             value_codes, value_scale, value_zero, int2_table, int2_counts, scaling)
     if resolve_backend(backend, query.device) == "triton":
         from vlm_kv.kernels.paged_triton import mixed_decode_attention_triton
 
-        return mixed_decode_attention_triton(*args, validate=validate)
-    return mixed_decode_attention_torch(*args, validate=validate)
+        return mixed_decode_attention_triton(*args, validate=validate, slot_mask=slot_mask)
+    return mixed_decode_attention_torch(*args, validate=validate, slot_mask=slot_mask)

@@ -130,8 +130,12 @@ def check_int2_store(
     int2_table: torch.Tensor,
     int2_counts: torch.Tensor,
     validate_values: bool = True,
+    slot_mask: torch.Tensor | None = None,
 ) -> int:
-    """Check the INT2 window pools against the paged store's shape; returns the window size w."""
+    """Check the INT2 window pools against the paged store's shape; returns the window size w.
+
+    ``slot_mask`` (optional, [num_windows, w] bool): which slots of each window are attended
+    (windows with holes, where an entry lives in full precision or is gone); None: every slot."""
     d = shape.head_dim
     if d % 4:
         raise ValueError(f"INT2 packs four channels per byte: head_dim {d} must be a multiple of 4")
@@ -158,6 +162,10 @@ def check_int2_store(
     tensors = (("key_codes", key_codes), ("key_scale", key_scale), ("key_zero", key_zero),
                ("value_codes", value_codes), ("value_scale", value_scale), ("value_zero", value_zero),
                ("int2_table", int2_table), ("int2_counts", int2_counts))
+    if slot_mask is not None:
+        if tuple(slot_mask.shape) != (n, w) or slot_mask.dtype != torch.bool:
+            raise ValueError(f"slot_mask must be [{n}, {w}] bool, got {tuple(slot_mask.shape)} {slot_mask.dtype}")
+        tensors = tensors + (("slot_mask", slot_mask),)
     for name, t in tensors:
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, query on {device}")

@@ -44,8 +44,10 @@ def gather_int2_rows(
     value_zero: torch.Tensor,
     int2_table: torch.Tensor,
     int2_counts: torch.Tensor,
+    slot_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every row's INT2 windows dequantized (float32): (keys, values [rows, L, D], valid [rows, L])."""
+    """Every row's INT2 windows dequantized (float32): (keys, values [rows, L, D], valid [rows, L]);
+    ``slot_mask`` [num_windows, w] marks the attended slots (None: all)."""
     rows = int2_table.shape[0]
     w, d = key_codes.shape[1], key_codes.shape[2] * 4
     most = int(int2_counts.max()) if rows else 0
@@ -57,6 +59,8 @@ def gather_int2_rows(
     keys = dequantize_keys(pick(key_codes), pick(key_scale), pick(key_zero)).view(rows, most * w, d)
     values = dequantize_values(pick(value_codes), pick(value_scale), pick(value_zero)).view(rows, most * w, d)
     valid = torch.arange(most * w, device=key_codes.device)[None, :] < (int2_counts.long() * w)[:, None]
+    if slot_mask is not None:
+        valid &= slot_mask.index_select(0, ids).view(rows, most * w)
     return keys, values, valid
 
 
@@ -106,14 +110,15 @@ def mixed_decode_attention_torch(
     int2_counts: torch.Tensor,
     scaling: float | None,
     validate: bool = True,
+    slot_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One softmax over each row's FP entries and its dequantized INT2 windows; returns [B, Hq, D]."""
     shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
     check_int2_store(shape, query.device, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-                     int2_table, int2_counts, validate)
+                     int2_table, int2_counts, validate, slot_mask)
     fp_keys, fp_values, fp_valid = gather_paged_rows(key_pool, value_pool, block_table, lengths)
     q_keys, q_values, q_valid = gather_int2_rows(key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-                                                   int2_table, int2_counts)
+                                                   int2_table, int2_counts, slot_mask)
     keys = torch.cat([fp_keys.float(), q_keys], dim=1)
     values = torch.cat([fp_values.float(), q_values], dim=1)
     valid = torch.cat([fp_valid, q_valid], dim=1)
@@ -136,6 +141,7 @@ def mixed_attention_weights_torch(
     int2_counts: torch.Tensor,
     scaling: float | None,
     validate: bool = True,
+    slot_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax weights of ``mixed_decode_attention`` for scorers (fused kernels never produce them).
 
@@ -147,10 +153,10 @@ def mixed_attention_weights_torch(
     """
     shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
     w = check_int2_store(shape, query.device, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-                         int2_table, int2_counts, validate)
+                         int2_table, int2_counts, validate, slot_mask)
     fp_keys, _, fp_valid = gather_paged_rows(key_pool, key_pool, block_table, lengths)  # values not needed
     q_keys, _, q_valid = gather_int2_rows(key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-                                          int2_table, int2_counts)
+                                          int2_table, int2_counts, slot_mask)
     keys = torch.cat([fp_keys.float(), q_keys], dim=1)
     valid = torch.cat([fp_valid, q_valid], dim=1)
     scale = scaling if scaling is not None else shape.head_dim ** -0.5

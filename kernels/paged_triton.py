@@ -43,11 +43,12 @@ def _online_tile(q, k, v, tmask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexp
 @triton.jit
 def _decode_kernel(
     q_ptr, k_pool, v_pool, table_ptr, len_ptr,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wtable_ptr, wcount_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wtable_ptr, wcount_ptr, slot_ptr,
     acc_out, m_out, l_out,
     qk_scale, max_blocks, max_windows, fp_split, int2_split,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, W: tl.constexpr, TILE: tl.constexpr, HAS_INT2: tl.constexpr, PRECISION: tl.constexpr,
+    BS: tl.constexpr, W: tl.constexpr, TILE: tl.constexpr, HAS_INT2: tl.constexpr, HAS_HOLES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,6 +88,8 @@ def _decode_kernel(
             tmask = t < iend
             win = tl.load(wtable_ptr + row * max_windows + t // W, mask=tmask, other=0).to(tl.int64)
             entry = win * W + t % W
+            if HAS_HOLES:  # a slot whose entry is in full precision (or gone) is not attended here
+                tmask = tmask & (tl.load(slot_ptr + entry, mask=tmask, other=0) != 0)
             kv_mask = tmask[:, None] & dmask[None, :]
             kbyte = tl.load(kc_ptr + entry[:, None] * (D // 4) + byte_col[None, :], mask=kv_mask, other=0).to(tl.int32)
             kcode = ((kbyte >> shift[None, :]) & 3).to(tl.float32)
@@ -181,10 +184,13 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
     if int2 is not None and int2[0].numel() == 0:
         w = int2[0].shape[1]
         int2 = (int2[0].new_zeros(1, w, d // 4), int2[1].new_zeros(1, d), int2[2].new_zeros(1, d),
-                int2[3].new_zeros(1, w, d // 4), int2[4].new_zeros(1, w), int2[5].new_zeros(1, w)) + tuple(int2[6:])
+                int2[3].new_zeros(1, w, d // 4), int2[4].new_zeros(1, w), int2[5].new_zeros(1, w),
+                int2[6], int2[7]) + ((int2[0].new_zeros(1, w, dtype=torch.bool),) if len(int2) > 8 else ())
     fp_capacity = shape.max_blocks * shape.block_size
+    holes = None
     if int2 is not None:
-        kc, ks, kz, vc, vs, vz, wtable, wcount = int2
+        kc, ks, kz, vc, vs, vz, wtable, wcount = int2[:8]
+        holes = int2[8].to(torch.uint8) if len(int2) > 8 and int2[8] is not None else None
         w = kc.shape[1]
         int2_capacity = wtable.shape[1] * w
     else:
@@ -205,11 +211,12 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
     precision = "ieee" if torch.float32 in (query.dtype, key_pool.dtype) else "tf32"
     _decode_kernel[(rows, splits)](
         q, key_pool, value_pool, block_table, lengths,
-        kc, ks, kz, vc, vs, vz, wtable, wcount,
+        kc, ks, kz, vc, vs, vz, wtable, wcount, holes if holes is not None else lengths,
         acc, m, l,
         float(scale * LOG2E), shape.max_blocks, wtable.shape[1] if int2 is not None else 1, fp_split, int2_split,
         G=g, G_PAD=max(16, _next_pow2(g)), D=d, D_PAD=max(16, _next_pow2(d)),
-        BS=shape.block_size, W=w, TILE=tile, HAS_INT2=int2 is not None, PRECISION=precision,
+        BS=shape.block_size, W=w, TILE=tile, HAS_INT2=int2 is not None, HAS_HOLES=holes is not None,
+        PRECISION=precision,
     )
     return acc, m, l
 
@@ -237,7 +244,7 @@ def paged_decode_sources_triton(
     Each source is (key_pool, value_pool, block_table, lengths) in the paged layout, e.g. a
     cache's compacted body and its dense tail of recent tokens, optionally followed by an INT2
     tuple (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, int2_table,
-    int2_counts) read by the same kernel call. Every source is walked by the split kernel; the
+    int2_counts[, slot_mask]) read by the same kernel call. Every source is walked by the split kernel; the
     partial (max, sum, values) of all sources are merged in float32. Returns [B, Hq, D] in the
     query dtype.
     """
@@ -247,7 +254,7 @@ def paged_decode_sources_triton(
         int2 = source[4] if len(source) > 4 else None
         shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
         if int2 is not None:
-            check_int2_store(shape, query.device, *int2, validate)
+            check_int2_store(shape, query.device, *int2[:8], validate, int2[8] if len(int2) > 8 else None)
         acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, None, tile)
         accs.append(acc), ms.append(m), ls.append(l)
     acc, m, l = torch.cat(accs, dim=1), torch.cat(ms, dim=1), torch.cat(ls, dim=1)
@@ -295,12 +302,16 @@ def mixed_decode_attention_triton(
     validate: bool = True,
     num_splits: int | None = None,
     tile: int = 64,
+    slot_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One softmax over each row's FP entries and its packed INT2 windows; returns [B, Hq, D]."""
+    """One softmax over each row's FP entries and its packed INT2 windows; returns [B, Hq, D].
+    ``slot_mask`` [num_windows, w] bool: the attended slots of windows with holes (None: all)."""
     shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
     check_int2_store(shape, query.device, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-                     int2_table, int2_counts, validate)
+                     int2_table, int2_counts, validate, slot_mask)
     int2 = (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, int2_table, int2_counts)
+    if slot_mask is not None:
+        int2 = int2 + (slot_mask,)
     return _launch(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
 
 

@@ -126,7 +126,7 @@ class CompressedLayer(CacheLayerMixin):
                        scorer: Scorer) -> torch.Tensor:
         """One softmax over the FP entries and the dequantized INT2 windows; scorers observe both."""
         if (query.shape[2] == 1 and self.cache.use_triton_decode(query) and self.store.tail_all_valid
-                and self.tier.windows_full and not scorer.observes):
+                and self.tier.kernel_readable and not scorer.observes):
             return self._attend_tiered_triton(query, scaling)
         fp = self.store.padded_view(with_values=True)
         tv = self.tier.view(with_values=True, dtype=query.dtype)

@@ -291,15 +291,22 @@ class Int2Tier:
 
     @property
     def windows_full(self) -> bool:
-        """Every active window holds w entries and its codes are post-RoPE keys (kernels read whole
-        windows as stored; empty slots, from batch padding or a fallback step, and pre-RoPE codes
-        need the PyTorch path)."""
-        return self._layout()["full"] and self.rope is None
+        """Every active window holds w attended entries (no holes, no empty slots)."""
+        return self._layout()["full"]
+
+    @property
+    def kernel_readable(self) -> bool:
+        """The Triton kernels can read these windows as stored: the codes are post-RoPE keys (pre-RoPE
+        codes need the PyTorch path, which rotates them). Holes and empty slots (batch padding, a
+        fallback step, entries routed to FP) go to the kernels as a slot mask."""
+        return self.rope is None
 
     def kernel_pools(self) -> tuple[torch.Tensor, ...]:
-        """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts."""
+        """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts,
+        then the attended-slot mask when a window has a hole."""
         c = self.codes
-        return (c.key_codes, c.key_scale, c.key_zero, c.value_codes, c.value_scale, c.value_zero, *self.window_table())
+        pools = (c.key_codes, c.key_scale, c.key_zero, c.value_codes, c.value_scale, c.value_zero, *self.window_table())
+        return pools if self.windows_full else pools + ((self.positions >= 0).contiguous(),)
 
     def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None) -> TierView:
         """Active windows dequantized, per row in window order, left aligned ([B, H, Lq])."""

@@ -33,7 +33,8 @@ def test_triton_decode_with_a_full_budget_matches_dynamic_cache(triton_kernels):
     assert torch.equal(out, ref)
 
 
-def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kernels, monkeypatch):
+@pytest.mark.parametrize("fp_unit", ["window", "token"])  # token: windows with holes, read with a slot mask
+def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kernels, monkeypatch, fp_unit):
     """The kernel reads the packed INT2 windows beside the FP body and tail, in one softmax."""
     from vlm_kv.cache import CompressedLayer
 
@@ -52,9 +53,11 @@ def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kern
     runs, held = {}, {}
     for backend in ("torch", "triton"):
         cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4,
-                                  scorer_kwargs={"window": 4}, attention_backend=backend)
+                                  scorer_kwargs={"window": 4}, attention_backend=backend, fp_unit=fp_unit)
         runs[backend] = model.generate(**kwargs, cache=cache)
         held[backend] = cache.stats()["per_tier"]
+        if fp_unit == "token":
+            assert not all(layer.tier.windows_full for layer in cache.layers)  # holes reached the kernel
     assert held["triton"]["int2_windows"] > 0 and held["triton"] == held["torch"]
     assert len(calls) >= 9 * model.config.num_hidden_layers  # every decode step after the prefill's routing
     assert torch.equal(runs["triton"].sequences, runs["torch"].sequences)

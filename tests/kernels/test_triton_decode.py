@@ -38,6 +38,38 @@ def test_mixed_triton_equals_torch(triton_kernels, group, dtype):
     assert bool((out[0, :group] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_triton_skips_the_holes_of_windows_as_the_torch_path_does(triton_kernels, dtype):
+    """Windows with holes (entries routed to FP, or gone): only the marked slots are attended."""
+    fp = random_paged_store(2, 2, 3, 32, [5, 20, 0, 40], block_size=8, dtype=dtype, device=DEVICE, seed=3)
+    int2 = random_int2_store(4, 32, [2, 4, 6, 3], window=8, device=DEVICE)
+    n = int2["key_codes"].shape[0]
+    slots = torch.rand(n, 8, generator=torch.Generator().manual_seed(1)) < 0.6
+    slots[0] = False  # a window with every entry elsewhere
+    slots = slots.to(DEVICE)
+    args = [fp[k] for k in FP_KEYS] + [int2[k] for k in INT2_KEYS]
+    ref = mixed_decode_attention_torch(*args, 0.2, slot_mask=slots)
+    assert not torch.allclose(ref.float(), mixed_decode_attention_torch(*args, 0.2).float(), **TOL[dtype])
+    for splits in (None, 2):
+        out = triton_kernels.mixed_decode_attention_triton(*args, 0.2, num_splits=splits, tile=16, slot_mask=slots)
+        assert torch.allclose(out.float(), ref.float(), **TOL[dtype]), (splits, (out.float() - ref.float()).abs().max())
+    # the same as dropping the hole slots by hand: an explicit softmax over FP + attended INT2 entries
+    from vlm_kv.kernels.paged_torch import gather_int2_rows, gather_paged_rows
+
+    fk, fv, fvalid = gather_paged_rows(*[fp[k] for k in FP_KEYS[1:]])
+    qk, qv, qvalid = gather_int2_rows(*[int2[k] for k in INT2_KEYS])
+    most = qk.shape[1] // 8
+    query = fp["query"].float()
+    for r in range(4):
+        attended = qvalid[r] & slots[int2["int2_table"][r, :most].long().clamp(min=0)].reshape(-1)
+        k = torch.cat([fk[r][fvalid[r]].float(), qk[r][attended]])
+        v = torch.cat([fv[r][fvalid[r]].float(), qv[r][attended]])
+        for g in range(3):
+            qh = (r % 2) * 3 + g
+            want = torch.softmax(query[r // 2, qh] @ k.T * 0.2, dim=-1) @ v if k.shape[0] else torch.zeros(32)
+            assert torch.allclose(ref[r // 2, qh].float(), want, **TOL[dtype])
+
+
 def test_triton_backend_through_dispatcher(triton_kernels):
     store = random_paged_store(2, 1, 3, 16, [12, 40], block_size=4, device=DEVICE, seed=9)
     args = [store[k] for k in FP_KEYS]
