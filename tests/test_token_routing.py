@@ -46,8 +46,8 @@ def _force_entry(cache, monkeypatch, row: int, position: int, decision: int) -> 
     """One routing event in which the entry at ``position`` of layer 0, row ``row`` gets ``decision``."""
     decide = token_routing.decide_entries
 
-    def patched(config, layers, routings, allocation, scorer):
-        decisions, fallback = decide(config, layers, routings, allocation, scorer)
+    def patched(config, layers, routings, allocation, scorer, share):
+        decisions, fallback = decide(config, layers, routings, allocation, scorer, share)
         H = decisions[0].shape[1]
         r = routings[0]
         hit = (r.positions[row // H, row % H] == position) & r.valid[row // H, row % H]
@@ -182,14 +182,49 @@ def test_dbtrimkv_tiers_choose_fp_by_entries_by_default_and_other_policies_by_wi
     model = tiny_model("llama")
     gates = tiny_gates(model)
     tiers = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates).tiers
-    assert (tiers.fp_unit, tiers.int2_share) == ("token", 0.5)
+    assert (tiers.fp_unit, tiers.int2_share_by_budget) == ("token", (0.1, 0.5, 0.25, 0.3))
+    share = tiers.share_for(torch.tensor([0.05, 0.1, 0.175, 0.25, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(share, torch.tensor([0.5, 0.5, 0.4, 0.3, 0.3], dtype=torch.float64))
     # what the caller says wins; the value split routes whole windows
-    assert vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates,
-                             fp_unit="window").tiers.fp_unit == "window"
-    assert vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates,
-                             int2_share=0.7).tiers.int2_share == 0.7
+    window = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, fp_unit="window").tiers
+    assert (window.fp_unit, window.int2_share_by_budget, window.int2_share) == ("window", None, 0.7)
+    fixed = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, int2_share=0.6).tiers
+    assert (fixed.fp_unit, fixed.int2_share_by_budget, fixed.int2_share) == ("token", None, 0.6)
     valued = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, int2_value=0.7).tiers
-    assert (valued.fp_unit, valued.int2_value) == ("window", 0.7)
+    assert (valued.fp_unit, valued.int2_value, valued.int2_share_by_budget) == ("window", 0.7, None)
     plain = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2").tiers
     assert (plain.fp_unit, plain.int2_share) == ("window", 0.7)
     assert vlm_kv.make_cache(model, policy="qevict", budget=0.2).tiers.fp_unit == "window"
+
+
+def test_the_int2_share_follows_the_budget_fraction_of_each_sequence(monkeypatch):
+    """With a schedule, a generous budget quantizes a smaller share of its bytes than a tight one."""
+    model = tiny_model("llama")
+    shares = []
+    decide = token_routing.decide_entries
+
+    def spy(config, layers, routings, allocation, scorer, share):
+        shares.append(share.clone())
+        return decide(config, layers, routings, allocation, scorer, share)
+
+    monkeypatch.setattr(token_routing, "decide_entries", spy)
+    tokens = random_tokens(128, vocab=model.config.vocab_size)
+    held = {}
+    for budget in (0.1, 0.4):
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=budget, tiers="int2", fp_unit="token",
+                                  int2_share_by_budget=(0.1, 0.8, 0.4, 0.2))
+        feed_tokens(model, cache, tokens, 128)
+        held[budget] = cache.kv_bytes()["per_tier"]
+    assert abs(float(shares[0][0]) - 0.8) < 0.05 and abs(float(shares[-1][0]) - 0.2) < 0.05
+    int2_share = {b: (t["int2"] + t["scales"]) / (t["fp"] + t["int2"] + t["scales"]) for b, t in held.items()}
+    assert int2_share[0.4] < int2_share[0.1]
+
+
+@pytest.mark.parametrize("bad", [(0.1, 0.5, 0.05, 0.3), (0.1, 1.0, 0.25, 0.3), (0.1, 0.5, 0.25)])
+def test_bad_share_schedules_are_refused(bad):
+    from vlm_kv.tier_router import TierConfig
+
+    with pytest.raises(ValueError, match="int2_share_by_budget"):
+        TierConfig(fp_unit="token", int2_share_by_budget=bad)
+    with pytest.raises(ValueError, match="fp_unit='token'"):
+        TierConfig(int2_share_by_budget=(0.1, 0.5, 0.25, 0.3))

@@ -54,6 +54,7 @@ def make_cache(
     spill: bool | None = None,
     int2_value: float | None = None,
     fp_unit: str | None = None,
+    int2_share_by_budget: tuple[float, float, float, float] | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -79,7 +80,8 @@ def make_cache(
         attended, can be promoted back) or evicted, ranked by the policy's scores under the same
         byte budget (QEvict's recoverable tiers); ``qevict`` and ``kivi2`` are tiered by themselves.
     int2_share: with tiers, the share of the routed bytes spent on INT2 windows when something
-        must be evicted (default 0.7; 0.5 for dbtrimkv), in [0, 1).
+        must be evicted (default 0.7), in [0, 1). dbtrimkv's default follows the budget instead:
+        0.5 up to a budget of 0.1, 0.3 from 0.25, linear between (``TierConfig.int2_share_by_budget``).
     window: with tiers, tokens per window (default 8; 32 for kivi2).
     key_rope: with tiers, quantize keys as cached ("post" RoPE, the default) or rotated back to
         "pre" RoPE at their positions (KIVI's per-channel outliers; standard RoPE only).
@@ -93,6 +95,8 @@ def make_cache(
     fp_unit: with tiers, what FP is chosen by: "window" (QEvict; the default) or "token" (single
         entries by their own scores; INT2 stays per window, with holes where entries are FP; the
         default for dbtrimkv, whose gates score single entries).
+    int2_share_by_budget: with tiers and entry routing, ``(b_lo, q_lo, b_hi, q_hi)``: the INT2 share
+        follows each sequence's budget fraction, linear between the two points (overrides int2_share).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -108,7 +112,8 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
-    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value, fp_unit)
+    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value, fp_unit,
+                               int2_share_by_budget)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
@@ -141,7 +146,8 @@ def make_cache(
 
 def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
                  window: int | None, key_rope: str | None = None, spill: bool | None = None,
-                 int2_value: float | None = None, fp_unit: str | None = None) -> TierConfig | None:
+                 int2_value: float | None = None, fp_unit: str | None = None,
+                 int2_share_by_budget: tuple | None = None) -> TierConfig | None:
     """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
     if tiers is not None and tiers not in ("int2", "none"):
         raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
@@ -151,8 +157,9 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         if spec.default_tiers is not None:
             raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
         if (int2_share is not None or window is not None or key_rope is not None or spill or int2_value is not None
-                or fp_unit is not None):
-            raise ValueError("int2_share=, int2_value=, window=, key_rope=, spill= and fp_unit= configure the INT2 tier: "
+                or fp_unit is not None or int2_share_by_budget is not None):
+            raise ValueError("int2_share=, int2_value=, window=, key_rope=, spill=, fp_unit= and int2_share_by_budget= "
+                             "configure the INT2 tier: "
                              "pass tiers='int2' too")
         return None
     if not spec.tierable:
@@ -167,8 +174,11 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     fields = dict(spec.default_tiers if spec.default_tiers is not None else spec.tier_settings or {})
     if int2_value is not None and fp_unit is None:
         # the value split routes whole windows: the policy's entry-level settings do not apply to it
-        fields = {k: v for k, v in fields.items() if k not in ("fp_unit", "int2_share")}
+        fields = {k: v for k, v in fields.items() if k not in ("fp_unit", "int2_share", "int2_share_by_budget")}
+    if fp_unit is not None and fp_unit != "token":
+        fields.pop("int2_share_by_budget", None)  # applied by the entry router only
     if int2_share is not None:
+        fields.pop("int2_share_by_budget", None)  # a share the caller gives holds at every budget
         fields["int2_share"] = int2_share
     if window is not None:
         fields["window"] = window
@@ -186,6 +196,10 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         fields["int2_value"] = int2_value
     if fp_unit is not None:
         fields["fp_unit"] = fp_unit
+    if int2_share_by_budget is not None:
+        if int2_share is not None:
+            raise ValueError("int2_share= and int2_share_by_budget= both set the INT2 share: pass one of them")
+        fields["int2_share_by_budget"] = tuple(int2_share_by_budget)
     return TierConfig(**fields)
 
 

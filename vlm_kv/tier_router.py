@@ -66,6 +66,9 @@ class TierConfig:
     ``fp_unit``: what the FP tier is chosen by. ``"window"`` (QEvict): whole windows.
     ``"token"``: single entries by their own scores, INT2 still by windows, which may then have
     holes (``vlm_kv.token_routing``).
+    ``int2_share_by_budget`` (``(b_lo, q_lo, b_hi, q_hi)``, token routing only): the INT2 share
+    follows each sequence's budget fraction b: ``q_lo`` at or below ``b_lo``, ``q_hi`` at or above
+    ``b_hi``, linear between; ``int2_share`` is then unused.
     """
 
     int2_share: float = 0.7
@@ -75,6 +78,7 @@ class TierConfig:
     spill: bool = False
     int2_value: float | None = None
     fp_unit: str = "window"
+    int2_share_by_budget: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.fp_unit not in ("window", "token"):
@@ -82,6 +86,14 @@ class TierConfig:
         if self.fp_unit == "token" and (self.quantize_all or self.int2_value is not None):
             raise ValueError("fp_unit='token' splits FP / INT2 by int2_share; quantize_all and int2_value route "
                              "whole windows: use fp_unit='window' with them")
+        sched = self.int2_share_by_budget
+        if sched is not None:
+            if self.fp_unit != "token":
+                raise ValueError("int2_share_by_budget is applied by the entry router: pass fp_unit='token'")
+            if (len(sched) != 4 or not 0.0 < sched[0] < sched[2] <= 1.0
+                    or not all(0.0 <= q < 1.0 for q in (sched[1], sched[3]))):
+                raise ValueError(f"int2_share_by_budget must be (b_lo, q_lo, b_hi, q_hi) with 0 < b_lo < b_hi <= 1 "
+                                 f"and shares in [0, 1), got {sched!r}")
         if self.key_rope not in ("post", "pre"):
             raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
         q = self.int2_share
@@ -94,6 +106,14 @@ class TierConfig:
         v = self.int2_value
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v <= 1.0)):
             raise ValueError(f"int2_value must be in (0, 1] (an INT2 window's worth relative to FP), got {v!r}")
+
+    def share_for(self, fraction: torch.Tensor) -> torch.Tensor:
+        """The INT2 share q for budget fractions ``fraction`` (float tensor)."""
+        if self.int2_share_by_budget is None:
+            return torch.full_like(fraction, float(self.int2_share))
+        b_lo, q_lo, b_hi, q_hi = self.int2_share_by_budget
+        t = ((fraction - b_lo) / (b_hi - b_lo)).clamp(0.0, 1.0)
+        return q_lo + t * (q_hi - q_lo)
 
 
 def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedView, torch.Tensor | None]:
@@ -172,7 +192,10 @@ class TierRouter:
             valid = torch.cat([fp.valid, tv.view.valid], dim=2)
             routings.append(_LayerRouting(fp, tv.slot, scores, positions, valid, -(-layer.seen // w), cap_layer))
         if self.config.fp_unit == "token":
-            decisions, fallback = token_routing.decide_entries(self.config, layers, routings, allocation, scorer)
+            valid = ledger.valid_tokens.to(caps.device).clamp(min=1)
+            share = self.config.share_for(caps.double() / valid.double())  # [B]
+            decisions, fallback = token_routing.decide_entries(self.config, layers, routings, allocation, scorer,
+                                                               share)
             for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
                 token_routing.apply_entries(self.config, layer, r, dec, fb)
         else:

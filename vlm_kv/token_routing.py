@@ -38,10 +38,11 @@ def _segment_counts(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
-def decide_entries(config, layers: Sequence, routings: Sequence, allocation, scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def decide_entries(config, layers: Sequence, routings: Sequence, allocation, scorer,
+                   share: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer: [B, H, Lf + Lq] decisions (FP / INT2 / EVICT) of every entry, laid out like the
-    routing's scores, and [B, H] fallback rows."""
-    w, q = config.window, float(config.int2_share)
+    routing's scores, and [B, H] fallback rows. ``share`` [B]: each sequence's INT2 share q."""
+    w = config.window
     mode = "global" if allocation.is_global else "layer" if isinstance(allocation, HeadAdaptive) else "row"
     device = routings[0].scores.device
     B, H = routings[0].scores.shape[:2]
@@ -49,13 +50,14 @@ def decide_entries(config, layers: Sequence, routings: Sequence, allocation, sco
 
     ent = {k: [] for k in ("group", "score", "win", "forced", "btok", "layer", "index")}
     win_group, win_ledger, win_offsets = [], [], []
-    row_bytes, row_group = [], []
+    row_bytes, row_group, row_batch = [], [], []
     offset = 0
     for li, (layer, r) in enumerate(zip(layers, routings)):
         Wn = r.num_windows
         size = B * H * Wn
         groups_of_rows = row_groups(mode, li, B, H, device)
         row_group.append(groups_of_rows)
+        row_batch.append(torch.arange(B * H, device=device) // H)
         row_bytes.append(r.cap.view(B, 1).expand(B, H).reshape(-1) * layer.store.bytes_per_entry)
         row_id = torch.arange(B * H, device=device).view(B, H, 1)
         wid = r.positions.clamp(min=0) // w
@@ -83,6 +85,9 @@ def decide_entries(config, layers: Sequence, routings: Sequence, allocation, sco
     w_group, w_ledger = torch.cat(win_group), torch.cat(win_ledger)
     groups = int(torch.cat(row_group).max()) + 1
     budget = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, torch.cat(row_group), torch.cat(row_bytes))
+    # every group lies in one sequence: its INT2 share is that sequence's
+    group_batch = torch.zeros(groups, dtype=torch.long, device=device).index_put_((torch.cat(row_group),), torch.cat(row_batch))
+    q = share.to(device=device, dtype=torch.float64)[group_batch]
 
     # forced entries are FP; a ledgered window holding one is kept (dormant or active) and paid here
     w_forced = torch.zeros(NW, dtype=torch.bool, device=device)
@@ -112,7 +117,7 @@ def decide_entries(config, layers: Sequence, routings: Sequence, allocation, sco
 
 def _route_entries(cand, e, w_group, w_ledger, w_forced, free, b_q, q, groups, NW,
                    layers, routings, win_offsets, scorer) -> torch.Tensor:
-    """Decisions of the non-forced entries ``cand`` (indices into ``e``)."""
+    """Decisions of the non-forced entries ``cand`` (indices into ``e``); ``q`` [groups] INT2 shares."""
     device = cand.device
     score = e["score"][cand]
     by_score = torch.argsort(score, descending=True, stable=True)
@@ -148,7 +153,7 @@ def _route_entries(cand, e, w_group, w_ledger, w_forced, free, b_q, q, groups, N
     fits = (cum - cost) + b_q * (above - prepaid) <= free[g]
     n_fit = torch.full((groups,), -1, dtype=torch.long, device=device).scatter_reduce_(0, g[fits], rank[fits], reduce="amax")
     # rule 3
-    fp_spec = cum <= (1.0 - q) * free[g].double()
+    fp_spec = cum <= (1.0 - q[g]) * free[g].double()
     n_spec = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, g, fp_spec.long())
     used = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, g, cost * fp_spec)
     use_fit = (n_fit >= 0) & (n_fit >= n_spec) & (q > 0)
@@ -165,7 +170,8 @@ def _route_entries(cand, e, w_group, w_ledger, w_forced, free, b_q, q, groups, N
     w_int2 = w_paid.clone()
     w_int2 |= w_rest & use_fit[w_group]
     contest = w_rest & ~w_paid & ~use_fit[w_group] & ~all_fp[w_group]
-    if q > 0 and bool(contest.any()):
+    contest &= (q > 0)[w_group]
+    if bool(contest.any()):
         wscore = _window_scores(cand[order][~is_fp], e, layers, routings, win_offsets, NW, scorer)
         ids = torch.nonzero(contest).flatten()
         s = wscore[ids]

@@ -62,10 +62,12 @@ POLICIES: dict[str, PolicySpec] = {
     "visionzip": PolicySpec(VisionZip, Uniform, "dominant visual tokens + one per contextual group; text kept",
                             visual_only=True, tierable=False),
     "trimkv": PolicySpec(RetentionScorer, Uniform, "learned retention gates, top-M per head", gate_kind="trimkv"),
-    # tiered: FP per entry, INT2 share 0.5 (session 7, docs/tiers.md: lower KL than QEvict's whole
-    # windows with q 0.7 on pg84 and on the training text at 0.05 / 0.1 / 0.25)
+    # tiered: FP per entry, INT2 share 0.5 at budgets up to 0.1 and 0.3 from 0.25 (session 7,
+    # docs/tiers.md: lower KL than QEvict's whole windows with q 0.7 on pg84 and on the training
+    # text at 0.05 / 0.1 / 0.25; q 0.5 best at 0.05, q 0.3 at 0.25 on both texts)
     "dbtrimkv": PolicySpec(RetentionScorer, GlobalTopK, "coupled retention gates, one global top-k over all layers and heads",
-                           gate_kind="dbtrimkv", tier_settings={"fp_unit": "token", "int2_share": 0.5}),
+                           gate_kind="dbtrimkv",
+                           tier_settings={"fp_unit": "token", "int2_share_by_budget": (0.1, 0.5, 0.25, 0.3)}),
     "dbtrimkv_threshold": PolicySpec(RetentionScorer, RetentionThreshold,
                                      "coupled retention gates, keep while score >= log alpha (no fixed budget)",
                                      gate_kind="dbtrimkv", tierable=False),
