@@ -190,7 +190,8 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
     holes = None
     if int2 is not None:
         kc, ks, kz, vc, vs, vz, wtable, wcount = int2[:8]
-        holes = int2[8].to(torch.uint8) if len(int2) > 8 and int2[8] is not None else None
+        # bool and uint8 share one byte per element: a view, not a copy, on every decode step
+        holes = int2[8].view(torch.uint8) if len(int2) > 8 and int2[8] is not None else None
         w = kc.shape[1]
         int2_capacity = wtable.shape[1] * w
     else:

@@ -228,3 +228,6 @@ def test_bad_share_schedules_are_refused(bad):
         TierConfig(fp_unit="token", int2_share_by_budget=bad)
     with pytest.raises(ValueError, match="fp_unit='token'"):
         TierConfig(int2_share_by_budget=(0.1, 0.5, 0.25, 0.3))
+    with pytest.raises(ValueError, match="int2_share= and int2_share_by_budget= .*pass one of them"):
+        vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2, tiers="int2", fp_unit="token",
+                          int2_share=0.5, int2_share_by_budget=(0.1, 0.5, 0.25, 0.3))

@@ -186,9 +186,11 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         fields["key_rope"] = key_rope
     if spill is not None:
         fields["spill"] = spill
+    splits = [name for name, v in (("int2_share=", int2_share), ("int2_value=", int2_value),
+                                   ("int2_share_by_budget=", int2_share_by_budget)) if v is not None]
+    if len(splits) > 1:
+        raise ValueError(f"{' and '.join(splits)} are ways to split FP / INT2: pass one of them")
     if int2_value is not None:
-        if int2_share is not None:
-            raise ValueError("int2_share= and int2_value= are two ways to split FP / INT2: pass one of them")
         reduce = getattr(spec.scorer, "window_reduce", None)
         if reduce not in ("sum", "logsumexp"):
             raise ValueError(f"int2_value= splits FP / INT2 by the value of windows, which needs additive window "
@@ -197,8 +199,6 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if fp_unit is not None:
         fields["fp_unit"] = fp_unit
     if int2_share_by_budget is not None:
-        if int2_share is not None:
-            raise ValueError("int2_share= and int2_share_by_budget= both set the INT2 share: pass one of them")
         fields["int2_share_by_budget"] = tuple(int2_share_by_budget)
     return TierConfig(**fields)
 

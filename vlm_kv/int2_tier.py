@@ -274,6 +274,8 @@ class Int2Tier:
         table[row, rank] = idx.to(torch.int32)
         layout["table"] = (table, counts.to(torch.int32))
         layout["full"] = bool((pos >= 0).all())
+        # attended slots of every ledger window, for the kernels when a window has a hole or an empty slot
+        layout["slot_mask"] = None if layout["full"] else (self.positions >= 0).contiguous()
         self._layout_cache = layout
         return layout
 
@@ -306,7 +308,8 @@ class Int2Tier:
         then the attended-slot mask when a window has a hole."""
         c = self.codes
         pools = (c.key_codes, c.key_scale, c.key_zero, c.value_codes, c.value_scale, c.value_zero, *self.window_table())
-        return pools if self.windows_full else pools + ((self.positions >= 0).contiguous(),)
+        mask = self._layout()["slot_mask"]
+        return pools if mask is None else pools + (mask,)
 
     def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None) -> TierView:
         """Active windows dequantized, per row in window order, left aligned ([B, H, Lq])."""

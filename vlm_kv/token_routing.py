@@ -38,6 +38,10 @@ def _segment_counts(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts, 0) - counts
+
+
 def decide_entries(config, layers: Sequence, routings: Sequence, allocation, scorer,
                    share: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer: [B, H, Lf + Lq] decisions (FP / INT2 / EVICT) of every entry, laid out like the
@@ -147,8 +151,8 @@ def _route_entries(cand, e, w_group, w_ledger, w_forced, free, b_q, q, groups, N
     end = start + n
     above = suffix[pos] - suffix[end[g]]
     paid = chargeable & w_ledger
-    pf = torch.cumsum(_segment_counts(first[paid], N + 1), 0) - _segment_counts(first[paid], N + 1)
-    pl = torch.cumsum(_segment_counts(last[paid], N + 1), 0) - _segment_counts(last[paid], N + 1)
+    pf = _exclusive_cumsum(_segment_counts(first[paid], N + 1))  # paid windows with first < p
+    pl = _exclusive_cumsum(_segment_counts(last[paid], N + 1))
     prepaid = (pf[pos] - pf[start[g]]) - (pl[pos] - pl[start[g]])  # paid windows with first < p <= last
     fits = (cum - cost) + b_q * (above - prepaid) <= free[g]
     n_fit = torch.full((groups,), -1, dtype=torch.long, device=device).scatter_reduce_(0, g[fits], rank[fits], reduce="amax")
