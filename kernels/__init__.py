@@ -4,7 +4,8 @@ Decode: ``paged_decode_attention`` (FP pages) and ``mixed_decode_attention`` (FP
 INT2 windows in one softmax), each with a pure PyTorch reference (``*_torch``) and a Triton
 kernel (``*_triton``, imported lazily so CPU installs never need triton). Prefill over a
 compressed cache: ``paged_prefill_attention`` (flash-attn varlen on CUDA, PyTorch otherwise).
-INT2 windows: ``quantize_keys``/``quantize_values`` and their inverses.
+INT2 windows: ``quantize_keys``/``quantize_values`` and their inverses; ``quantize_keys_compact``
+with ``decode_key_grid`` for the compact (8-bit) key grid.
 """
 
 from vlm_kv.kernels.dispatch import (
@@ -14,11 +15,13 @@ from vlm_kv.kernels.dispatch import (
     triton_available,
 )
 from vlm_kv.kernels.int2 import (
+    decode_key_grid,
     dequantize_keys,
     dequantize_values,
     int2_window_bytes,
     pack_int2,
     quantize_keys,
+    quantize_keys_compact,
     quantize_values,
     unpack_int2,
 )
@@ -40,6 +43,7 @@ __all__ = [
     "mixed_decode_attention", "mixed_decode_attention_torch", "mixed_attention_weights_torch",
     "resolve_backend", "triton_available",
     "quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values",
+    "quantize_keys_compact", "decode_key_grid",
     "pack_int2", "unpack_int2", "int2_window_bytes",
     "paged_prefill_attention", "paged_prefill_attention_torch", "pack_paged_prefill", "unpack_prefill_output",
     "flash_attn_available",

@@ -7,6 +7,13 @@ channels), values per token over head_dim. Scale and zero are stored in float16 
 are computed from the stored (rounded) grid: zero is rounded down and scale up so that the grid
 still covers [min, max], which keeps every element within ``scale / 2`` of its dequantized value.
 
+Compact key grid (``key_grid="int8"``, ours; the paper keeps fp16): a window's per-channel zeros
+and scales are themselves stored as 8-bit codes against three fp16 references per window
+(``zero_c = z_lo + zc * z_step``, ``scale_c = sc * s_step``), which halves the key grid, the
+largest part of an INT2 window in bf16 (256 of 544 bytes at w = 8, head_dim = 64). The decoded
+grid is computed in float32 and the key codes against it, with zero still at or below the min and
+``zero + 3 * scale`` at or above the max, so the ``scale / 2`` bound holds for the decoded scale.
+
 Packing: four codes per byte along head_dim, channel ``d`` in bits ``2 * (d % 4)`` and
 ``2 * (d % 4) + 1`` of byte ``d // 4``; the Triton kernel unpacks the same way.
 """
@@ -89,6 +96,65 @@ def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return pack_int2(_codes(x, scale[:, None, :], zero[:, None, :])), scale, zero
 
 
+KEY_GRIDS = ("fp16", "int8")
+_GRID_LEVELS = 255
+
+
+def _up16(x: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 -> the nearest float16 at or above it (a step must not shrink the grid)."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() < x, fp16_step_up(h), h)
+
+
+def decode_key_grid(zero_codes: torch.Tensor, scale_codes: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact grid (uint8 [n, D] zero and scale codes, fp16 [n, 3] (z_lo, z_step, s_step)) ->
+    float32 (scale, zero) [n, D]."""
+    r = ref.float()
+    zero = r[:, 0:1] + zero_codes.float() * r[:, 1:2]
+    scale = scale_codes.float() * r[:, 2:3]
+    return scale, zero
+
+
+def quantize_keys_compact(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys of windows [n, w, D] -> (codes [n, w, D // 4] uint8, zero codes [n, D] uint8,
+    scale codes [n, D] uint8, references [n, 3] float16); decode with ``decode_key_grid``."""
+    if keys.dim() != 3:
+        raise ValueError(f"keys must be [num_windows, w, head_dim], got {tuple(keys.shape)}")
+    x = keys.float()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("INT2 quantization got non-finite values")
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    if lo.numel() and max(float(lo.abs().amax()), float(hi.abs().amax())) > _FP16_MAX:
+        raise ValueError(f"INT2 quantization stores its grid in float16: values beyond +-{_FP16_MAX} cannot be represented")
+    n = x.shape[0]
+    if n == 0:
+        u8 = torch.empty(0, x.shape[2], dtype=torch.uint8, device=x.device)
+        return pack_int2(torch.empty(0, x.shape[1], x.shape[2], dtype=torch.uint8, device=x.device)), u8, u8.clone(), \
+            torch.empty(0, 3, dtype=torch.float16, device=x.device)
+    z_lo = lo.amin(dim=1).to(torch.float16)
+    z_lo = torch.where(z_lo.float() > lo.amin(dim=1), fp16_step_down(z_lo), z_lo)
+    z_step = _up16((lo.amax(dim=1) - z_lo.float()) / _GRID_LEVELS)
+    zs = z_step.float()[:, None]
+    safe_z = torch.where(zs > 0, zs, torch.ones_like(zs))
+    zc = torch.floor((lo - z_lo.float()[:, None]) / safe_z).clamp(0, _GRID_LEVELS)
+    zc = torch.where(zs > 0, zc, torch.zeros_like(zc))
+    zero = z_lo.float()[:, None] + zc * zs
+    zc = torch.where(zero > lo, (zc - 1).clamp(min=0), zc)  # float rounding: keep zero <= min
+    zero = z_lo.float()[:, None] + zc * zs
+    need = (hi - zero) / CODE_MAX
+    # one level of headroom, so that the correction below never needs a 256th level
+    s_step = _up16(need.amax(dim=1) / (_GRID_LEVELS - 1))
+    ss = s_step.float()[:, None]
+    safe_s = torch.where(ss > 0, ss, torch.ones_like(ss))
+    sc = torch.ceil(need / safe_s).clamp(0, _GRID_LEVELS)
+    sc = torch.where(zero + CODE_MAX * (sc * ss) < hi, (sc + 1).clamp(max=_GRID_LEVELS), sc)
+    sc = torch.where(ss > 0, sc, torch.zeros_like(sc))
+    ref = torch.stack([z_lo, z_step, s_step], dim=1)
+    zc8, sc8 = zc.to(torch.uint8), sc.to(torch.uint8)
+    scale, zero = decode_key_grid(zc8, sc8, ref)
+    return pack_int2(_codes(x, scale[:, None, :], zero[:, None, :])), zc8, sc8, ref
+
+
 def quantize_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Values of windows [n, w, D] -> (codes [n, w, D // 4] uint8, scale [n, w] fp16, zero [n, w] fp16).
 
@@ -127,6 +193,11 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     return torch.addcmul(zero.float().unsqueeze(-1), unpack_int2_float(codes), scale.float().unsqueeze(-1))
 
 
-def int2_window_bytes(window: int, head_dim: int) -> int:
-    """Bytes one window of one kv head holds: K and V codes plus fp16 scale and zero for both."""
-    return 2 * window * head_dim // 4 + 2 * 2 * head_dim + 2 * 2 * window
+def int2_window_bytes(window: int, head_dim: int, key_grid: str = "fp16") -> int:
+    """Bytes one window of one kv head holds: K and V codes, the keys' per-channel grid (fp16
+    scale and zero, or with ``key_grid="int8"`` 8-bit codes of both plus three fp16 references)
+    and the values' fp16 scale and zero per token."""
+    if key_grid not in KEY_GRIDS:
+        raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {key_grid!r}")
+    key_grid_bytes = 2 * 2 * head_dim if key_grid == "fp16" else 2 * head_dim + 3 * 2
+    return 2 * window * head_dim // 4 + key_grid_bytes + 2 * 2 * window

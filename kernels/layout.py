@@ -16,7 +16,8 @@ INT2 tier (windows of ``w`` consecutive entries of one row, quantized once):
 * ``key_codes``, ``value_codes``: [num_windows, w, head_dim // 4] uint8, four 2-bit codes per
   byte along head_dim (channel ``d`` in bits ``2 * (d % 4)`` and ``2 * (d % 4) + 1`` of byte
   ``d // 4``);
-* ``key_scale``, ``key_zero``: [num_windows, head_dim] float16 (keys: per channel over the window);
+* ``key_scale``, ``key_zero``: [num_windows, head_dim] float16 (keys: per channel over the window),
+  or float32 when decoded from a compact grid (``vlm_kv.kernels.int2.decode_key_grid``);
 * ``value_scale``, ``value_zero``: [num_windows, w] float16 (values: per token over head_dim);
 * ``int2_table``: [rows, max_windows] int32, ``int2_counts``: [rows] int32 windows held per row.
 """
@@ -118,6 +119,9 @@ def _check_table_values(table: torch.Tensor, counts: torch.Tensor, per_slot: int
                              f"(used entries range {low}..{high})")
 
 
+_KEY_GRID_DTYPES = (torch.float16, torch.float32)
+
+
 def check_int2_store(
     shape: PagedShape,
     device: torch.device,
@@ -150,10 +154,16 @@ def check_int2_store(
     if value_codes.shape != key_codes.shape or value_codes.dtype != torch.uint8:
         raise ValueError(f"value_codes must match key_codes {tuple(key_codes.shape)} uint8, "
                          f"got {tuple(value_codes.shape)} {value_codes.dtype}")
-    for name, t, want in (("key_scale", key_scale, (n, d)), ("key_zero", key_zero, (n, d)),
-                          ("value_scale", value_scale, (n, w)), ("value_zero", value_zero, (n, w))):
-        if tuple(t.shape) != want or t.dtype != torch.float16:
-            raise ValueError(f"{name} must be {want} float16, got {tuple(t.shape)} {t.dtype}")
+    # key grids may come decoded from a compact grid (float32); values' grids are always float16
+    for name, t, want, dtypes in (("key_scale", key_scale, (n, d), _KEY_GRID_DTYPES),
+                                  ("key_zero", key_zero, (n, d), _KEY_GRID_DTYPES),
+                                  ("value_scale", value_scale, (n, w), (torch.float16,)),
+                                  ("value_zero", value_zero, (n, w), (torch.float16,))):
+        if tuple(t.shape) != want or t.dtype not in dtypes:
+            kinds = " or ".join(str(x).replace("torch.", "") for x in dtypes)
+            raise ValueError(f"{name} must be {want} {kinds}, got {tuple(t.shape)} {t.dtype}")
+    if key_scale.dtype != key_zero.dtype:
+        raise ValueError(f"key_scale and key_zero must share a dtype, got {key_scale.dtype} and {key_zero.dtype}")
     if int2_table.dim() != 2 or int2_table.dtype != torch.int32 or int2_table.shape[0] != shape.rows:
         raise ValueError(f"int2_table must be [{shape.rows}, max_windows] int32, "
                          f"got {tuple(int2_table.shape)} {int2_table.dtype}")

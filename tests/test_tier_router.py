@@ -16,8 +16,10 @@ TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_ll
 LONG = {"qevict", "adakv", "dbtrimkv"}
 
 
-def _kwargs(policy, model, fp_unit=None):
+def _kwargs(policy, model, fp_unit=None, key_grid=None):
     kw = {} if fp_unit is None else {"fp_unit": fp_unit}
+    if key_grid is not None:
+        kw["key_grid"] = key_grid
     if policy in ("snapkv", "adakv", "pyramidkv"):
         kw["scorer_kwargs"] = {"window": 8}
     if policy == "dbtrimkv":
@@ -31,10 +33,11 @@ def _kwargs(policy, model, fp_unit=None):
 
 
 
-@pytest.mark.parametrize("policy, fp_unit", [(p, None) for p in TIERED] + [(p, "token") for p in sorted(LONG)])
-def test_held_bytes_stay_within_budget_at_every_routing_event(policy, fp_unit):
+@pytest.mark.parametrize("policy, fp_unit, key_grid", [(p, None, None) for p in TIERED] + [(p, "token", None) for p in sorted(LONG)]
+                         + [("qevict", None, "int8"), ("dbtrimkv", "token", "int8")])
+def test_held_bytes_stay_within_budget_at_every_routing_event(policy, fp_unit, key_grid):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model, fp_unit))
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model, fp_unit, key_grid))
     steps = record_evictions(cache)
     decode = 300 if policy in LONG else 64
     feed_tokens(model, cache, random_tokens(64 + decode, batch=2, vocab=model.config.vocab_size), 64)
@@ -46,6 +49,21 @@ def test_held_bytes_stay_within_budget_at_every_routing_event(policy, fp_unit):
     per_tier = cache.kv_bytes()["per_tier"]
     assert per_tier["int2"] > 0 and per_tier["scales"] > 0
     assert sum(per_tier.values()) == cache.kv_bytes()["total"]
+    if key_grid == "int8":  # the compact grid is what the tier holds and what routing charged
+        tier = next(layer.tier for layer in cache.layers if len(layer.tier))
+        assert tier.codes.compact and tier.window_bytes() == (tier.codes.code_bytes() + tier.codes.grid_bytes()) // len(tier)
+
+
+def test_compact_key_grid_holds_more_int2_windows_at_the_same_bytes():
+    model = tiny_model("llama")
+    tokens = random_tokens(200, vocab=model.config.vocab_size)
+    held = {}
+    for grid in ("fp16", "int8"):
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", key_grid=grid)
+        feed_tokens(model, cache, tokens, 184)
+        assert cache.kv_bytes()["total"] <= cache.budget_bytes()
+        held[grid] = cache.stats()["per_tier"]["int2_windows"]
+    assert held["int8"] > held["fp16"]
 
 
 def test_tiers_hold_more_tokens_than_eviction_alone_at_the_same_bytes():
@@ -71,9 +89,10 @@ def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy
     assert cache.stats()["per_tier"]["quantized"] == 0
 
 
-def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once():
+@pytest.mark.parametrize("key_grid", ["fp16", "int8"])
+def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once(key_grid):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", key_grid=key_grid)
     feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     layer = cache.layers[0]
     tier = layer.tier
@@ -282,6 +301,12 @@ def test_quantized_windows_round_trip_their_grid():
     assert (k - keys).abs().le(q.key_scale.float()[:, None, :] / 2 + 1e-6).all()
     assert (v - values).abs().le(q.value_scale.float()[:, :, None] / 2 + 1e-6).all()
     assert q.code_bytes() == 2 * 3 * 8 * 4 and q.grid_bytes() == 3 * (2 * 2 * 16 + 2 * 2 * 8)
+    c = QuantizedWindows.quantize(keys, values, "int8")
+    scale, _ = c.key_grid()
+    k8, v8 = c.dequantize(torch.float32)
+    assert c.compact and (k8 - keys).abs().le(scale[:, None, :] / 2 + 1e-6).all() and torch.equal(v8, v)
+    assert c.grid_bytes() == 3 * (2 * 16 + 6 + 2 * 2 * 8)
+    assert torch.equal(c.select(torch.tensor([2, 0])).key_grid()[1], c.key_grid()[1][[2, 0]])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -297,6 +322,8 @@ def test_quantized_windows_round_trip_their_grid():
     ({"policy": "h2o", "fp_unit": "token"}, "pass tiers='int2'"),
     ({"policy": "dbtrimkv", "tiers": "int2", "fp_unit": "token", "int2_value": 0.7}, "fp_unit='token'"),
     ({"policy": "kivi2", "budget": 1.0, "fp_unit": "token"}, "fp_unit='token'"),
+    ({"policy": "h2o", "tiers": "int2", "key_grid": "int4"}, "key_grid"),
+    ({"policy": "h2o", "key_grid": "int8"}, "pass tiers='int2'"),
 ])
 def test_bad_tier_settings_are_refused_clearly(kwargs, match):
     model = tiny_model("llama")

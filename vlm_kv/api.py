@@ -55,6 +55,7 @@ def make_cache(
     int2_value: float | None = None,
     fp_unit: str | None = None,
     int2_share_by_budget: tuple[float, float, float, float] | None = None,
+    key_grid: str | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -97,6 +98,9 @@ def make_cache(
         default for dbtrimkv, whose gates score single entries).
     int2_share_by_budget: with tiers and entry routing, ``(b_lo, q_lo, b_hi, q_hi)``: the INT2 share
         follows each sequence's budget fraction, linear between the two points (overrides int2_share).
+    key_grid: with tiers, how an INT2 window stores its keys' per-channel scale and zero: "fp16"
+        (the paper's) or "int8" (8-bit codes of both against three fp16 references per window:
+        422 instead of 544 bytes a window at w 8, head_dim 64; see docs/tiers.md).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -113,7 +117,7 @@ def make_cache(
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
     tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value, fp_unit,
-                               int2_share_by_budget)
+                               int2_share_by_budget, key_grid=key_grid)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
@@ -147,7 +151,7 @@ def make_cache(
 def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
                  window: int | None, key_rope: str | None = None, spill: bool | None = None,
                  int2_value: float | None = None, fp_unit: str | None = None,
-                 int2_share_by_budget: tuple | None = None) -> TierConfig | None:
+                 int2_share_by_budget: tuple | None = None, key_grid: str | None = None) -> TierConfig | None:
     """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
     if tiers is not None and tiers not in ("int2", "none"):
         raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
@@ -157,8 +161,9 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         if spec.default_tiers is not None:
             raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
         if (int2_share is not None or window is not None or key_rope is not None or spill or int2_value is not None
-                or fp_unit is not None or int2_share_by_budget is not None):
-            raise ValueError("int2_share=, int2_value=, window=, key_rope=, spill=, fp_unit= and int2_share_by_budget= "
+                or fp_unit is not None or int2_share_by_budget is not None or key_grid is not None):
+            raise ValueError("int2_share=, int2_value=, window=, key_rope=, spill=, fp_unit=, int2_share_by_budget= "
+                             "and key_grid= "
                              "configure the INT2 tier: "
                              "pass tiers='int2' too")
         return None
@@ -186,6 +191,8 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
         fields["key_rope"] = key_rope
     if spill is not None:
         fields["spill"] = spill
+    if key_grid is not None:
+        fields["key_grid"] = key_grid
     splits = [name for name, v in (("int2_share=", int2_share), ("int2_value=", int2_value),
                                    ("int2_share_by_budget=", int2_share_by_budget)) if v is not None]
     if len(splits) > 1:

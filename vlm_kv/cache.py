@@ -66,7 +66,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.cache.tiers is not None:
             self.tier = Int2Tier(b, h, d, self.cache.tiers.window, key_states.dtype, key_states.device,
                                  self.cache.scorer.state_names, rope=self.cache.key_rotation,
-                                 spill=self.cache.tiers.spill)
+                                 spill=self.cache.tiers.spill, key_grid=self.cache.tiers.key_grid)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):

@@ -27,42 +27,72 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values, int2_window_bytes, quantize_keys, quantize_values
+from vlm_kv.kernels.int2 import (
+    KEY_GRIDS, decode_key_grid, dequantize_keys, dequantize_values, int2_window_bytes, quantize_keys,
+    quantize_keys_compact, quantize_values,
+)
 from vlm_kv.storage import PaddedView, tensor_bytes
 
 
 @dataclass
 class QuantizedWindows:
-    """Codes and grids of ``n`` windows, exactly sized (see ``vlm_kv.kernels.int2`` for the layout)."""
+    """Codes and grids of ``n`` windows, exactly sized (see ``vlm_kv.kernels.int2`` for the layout).
+
+    The keys' grid is fp16 scale and zero per channel (the paper's), or with the compact grid
+    (``key_grid="int8"``) their 8-bit codes plus three fp16 references per window in ``key_ref``
+    (empty [n, 0] for fp16 grids); ``key_grid()`` gives both as scale and zero."""
 
     key_codes: torch.Tensor    # [n, w, D // 4] uint8
-    key_scale: torch.Tensor    # [n, D] float16
-    key_zero: torch.Tensor     # [n, D] float16
+    key_scale: torch.Tensor    # [n, D] float16, or uint8 scale codes (compact)
+    key_zero: torch.Tensor     # [n, D] float16, or uint8 zero codes (compact)
     value_codes: torch.Tensor  # [n, w, D // 4] uint8
     value_scale: torch.Tensor  # [n, w] float16
     value_zero: torch.Tensor   # [n, w] float16
+    key_ref: torch.Tensor      # [n, 3] float16 (z_lo, z_step, s_step) for compact grids, [n, 0] for fp16
 
     @classmethod
-    def empty(cls, window: int, head_dim: int, device: torch.device) -> "QuantizedWindows":
+    def empty(cls, window: int, head_dim: int, device: torch.device, key_grid: str = "fp16") -> "QuantizedWindows":
         u8, f16 = torch.uint8, torch.float16
+        grid = f16 if key_grid == "fp16" else u8
         return cls(
             torch.empty(0, window, head_dim // 4, dtype=u8, device=device),
-            torch.empty(0, head_dim, dtype=f16, device=device),
-            torch.empty(0, head_dim, dtype=f16, device=device),
+            torch.empty(0, head_dim, dtype=grid, device=device),
+            torch.empty(0, head_dim, dtype=grid, device=device),
             torch.empty(0, window, head_dim // 4, dtype=u8, device=device),
             torch.empty(0, window, dtype=f16, device=device),
             torch.empty(0, window, dtype=f16, device=device),
+            torch.empty(0, 0 if key_grid == "fp16" else 3, dtype=f16, device=device),
         )
 
     @classmethod
-    def quantize(cls, keys: torch.Tensor, values: torch.Tensor) -> "QuantizedWindows":
+    def quantize(cls, keys: torch.Tensor, values: torch.Tensor, key_grid: str = "fp16") -> "QuantizedWindows":
         """keys/values [n, w, D] -> their codes and grids."""
-        kc, ks, kz = quantize_keys(keys)
+        if key_grid not in KEY_GRIDS:
+            raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {key_grid!r}")
         vc, vs, vz = quantize_values(values)
-        return cls(kc, ks, kz, vc, vs, vz)
+        if key_grid == "fp16":
+            kc, ks, kz = quantize_keys(keys)
+            ref = torch.empty(keys.shape[0], 0, dtype=torch.float16, device=keys.device)
+        else:
+            kc, kz, ks, ref = quantize_keys_compact(keys)
+        return cls(kc, ks, kz, vc, vs, vz, ref)
 
     def __len__(self) -> int:
         return self.key_codes.shape[0]
+
+    @property
+    def compact(self) -> bool:
+        return self.key_scale.dtype == torch.uint8
+
+    def key_grid(self, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys' (scale, zero) [n, D] of every window (or of windows ``idx``): the stored fp16
+        grid, or the compact grid decoded to float32 (a transient the size of one fp32 grid)."""
+        ks, kz, ref = self.key_scale, self.key_zero, self.key_ref
+        if idx is not None:
+            ks, kz, ref = ks[idx], kz[idx], ref[idx]
+        if not self.compact:
+            return ks, kz
+        return decode_key_grid(kz, ks, ref)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -76,7 +106,7 @@ class QuantizedWindows:
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, w, D] keys and values in ``dtype``."""
-        keys = dequantize_keys(self.key_codes, self.key_scale, self.key_zero).to(dtype)
+        keys = dequantize_keys(self.key_codes, *self.key_grid()).to(dtype)
         values = dequantize_values(self.value_codes, self.value_scale, self.value_zero).to(dtype)
         return keys, values
 
@@ -84,7 +114,7 @@ class QuantizedWindows:
         return self.key_codes.nbytes + self.value_codes.nbytes
 
     def grid_bytes(self) -> int:
-        return sum(t.nbytes for t in (self.key_scale, self.key_zero, self.value_scale, self.value_zero))
+        return sum(t.nbytes for t in (self.key_scale, self.key_zero, self.key_ref, self.value_scale, self.value_zero))
 
 
 @dataclass
@@ -177,7 +207,10 @@ class Int2Tier:
     """Quantized windows of one layer: the INT2 tier (active entries) and the dormant ledger."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype,
-                 device: torch.device, state_names: tuple[str, ...] = (), rope=None, spill: bool = False) -> None:
+                 device: torch.device, state_names: tuple[str, ...] = (), rope=None, spill: bool = False,
+                 key_grid: str = "fp16") -> None:
+        if key_grid not in KEY_GRIDS:
+            raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {key_grid!r}")
         if head_dim % 4:
             raise ValueError(f"INT2 packs four channels per byte: head_dim {head_dim} must be a multiple of 4")
         self.batch_size = batch_size
@@ -188,7 +221,8 @@ class Int2Tier:
         self.device = device
         self.state_names = tuple(state_names)
         self.rope = rope  # a KeyRotation when keys are quantized pre-RoPE, else None
-        self.codes = QuantizedWindows.empty(window, head_dim, device)
+        self.key_grid = key_grid
+        self.codes = QuantizedWindows.empty(window, head_dim, device, key_grid)
         self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
         self.window_id = torch.empty(0, dtype=torch.long, device=device)  # position // w
         self.positions = torch.empty(0, window, dtype=torch.int32, device=device)  # -1: no entry in that slot
@@ -216,7 +250,7 @@ class Int2Tier:
 
     def window_bytes(self) -> int:
         """Bytes one window of one row holds (codes, scales and zeros)."""
-        return int2_window_bytes(self.window, self.head_dim)
+        return int2_window_bytes(self.window, self.head_dim, self.key_grid)
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes by part: ``int2`` codes and ``scales`` (scales and zeros) of active windows,
@@ -305,9 +339,10 @@ class Int2Tier:
 
     def kernel_pools(self) -> tuple[torch.Tensor, ...]:
         """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts,
-        then the attended-slot mask when a window has a hole."""
+        then the attended-slot mask when a window has a hole. A compact key grid reaches the kernels
+        decoded (float32 scale and zero, rebuilt per call so that the cache holds only the codes)."""
         c = self.codes
-        pools = (c.key_codes, c.key_scale, c.key_zero, c.value_codes, c.value_scale, c.value_zero, *self.window_table())
+        pools = (c.key_codes, *c.key_grid(), c.value_codes, c.value_scale, c.value_zero, *self.window_table())
         mask = self._layout()["slot_mask"]
         return pools if mask is None else pools + (mask,)
 
@@ -317,7 +352,7 @@ class Int2Tier:
         layout = self._layout()
         idx = layout["idx"]
         c = self.codes
-        keys = dequantize_keys(c.key_codes[idx], c.key_scale[idx], c.key_zero[idx])
+        keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx))
         if self.rope is not None:
             keys = self.rope.rotate(keys, self.positions[idx])
         keys = self._lay(layout, keys, 0, dtype)

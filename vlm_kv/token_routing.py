@@ -280,7 +280,7 @@ def apply_entries(config, layer, r, decision: torch.Tensor, fallback: torch.Tens
         attended = (win.positions >= 0) & torch.isin(slot_key, demoted_key)
         positions = torch.where(attended, win.positions, torch.full_like(win.positions, -1))
         new_windows = NewWindows(
-            codes=QuantizedWindows.quantize(win.keys, win.values), row=win.row, window_id=win.window_id,
+            codes=QuantizedWindows.quantize(win.keys, win.values, tier.key_grid), row=win.row, window_id=win.window_id,
             positions=positions, modality=win.modality, state=win.state,
             spill=SpillCopies.from_device(win.original_keys, win.values, tier.pin_spill) if tier.spill is not None else None,
         )

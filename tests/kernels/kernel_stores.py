@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from vlm_kv.kernels.int2 import decode_key_grid, dequantize_keys, dequantize_values, quantize_keys, quantize_keys_compact, quantize_values
 
 
 def random_paged_store(batch: int, kv_heads: int, group: int, head_dim: int, lengths: list[int], block_size: int = 16,
@@ -42,12 +42,19 @@ def random_paged_store(batch: int, kv_heads: int, group: int, head_dim: int, len
 
 
 def random_int2_store(rows: int, head_dim: int, counts: list[int], window: int = 8, spare_windows: int = 2,
-                      spare_columns: int = 1, device: str | torch.device = "cpu", seed: int = 1) -> dict[str, torch.Tensor]:
+                      spare_columns: int = 1, device: str | torch.device = "cpu", seed: int = 1,
+                      key_grid: str = "fp16") -> dict[str, torch.Tensor]:
+    """INT2 windows in shuffled pool slots; ``key_grid="int8"``: the keys' grid is compact and
+    reaches the kernels decoded (float32), as the cache hands it over."""
     gen = torch.Generator().manual_seed(seed)
     n = sum(counts) + spare_windows
     keys = torch.randn(n, window, head_dim, generator=gen) * (1 + 4 * torch.rand(1, 1, head_dim, generator=gen))
     values = torch.randn(n, window, head_dim, generator=gen)
-    kc, ks, kz = quantize_keys(keys)
+    if key_grid == "fp16":
+        kc, ks, kz = quantize_keys(keys)
+    else:
+        kc, zc, sc, ref = quantize_keys_compact(keys)
+        ks, kz = decode_key_grid(zc, sc, ref)
     vc, vs, vz = quantize_values(values)
     order = torch.randperm(n, generator=gen)
     table = torch.full((rows, max(counts) + spare_columns), -1, dtype=torch.int32)

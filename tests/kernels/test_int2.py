@@ -125,3 +125,54 @@ def test_fp16_steps_match_nextafter_on_every_float16():
     up = torch.nextafter(x, torch.full_like(x, float("inf")))
     nonneg = finite & (x >= 0)
     assert torch.equal(fp16_step_up(x)[nonneg].view(torch.int16), up[nonneg].view(torch.int16))
+
+
+# ---- compact key grid (key_grid="int8")
+
+from vlm_kv.kernels.int2 import decode_key_grid, quantize_keys_compact  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_key_grid_keeps_the_half_step_bound_and_covers_every_channel(dtype):
+    keys = _windows(dtype, seed=4, n=40, d=64)
+    codes, zc, sc, ref = quantize_keys_compact(keys)
+    assert codes.shape == (40, 8, 16) and zc.shape == sc.shape == (40, 64)
+    assert zc.dtype == sc.dtype == torch.uint8 and ref.shape == (40, 3) and ref.dtype == torch.float16
+    scale, zero = decode_key_grid(zc, sc, ref)
+    x = keys.float()
+    assert bool((zero <= x.amin(dim=1)).all()) and bool((zero + 3 * scale >= x.amax(dim=1)).all())
+    err = (dequantize_keys(codes, scale, zero) - x).abs()
+    assert bool((err <= _tol(scale)[:, None, :]).all())
+
+
+def test_compact_key_grid_costs_little_accuracy_against_the_fp16_grid():
+    keys = _windows(torch.float32, seed=5, n=200, d=64)
+    c16, s16, z16 = quantize_keys(keys)
+    c8, zc, sc, ref = quantize_keys_compact(keys)
+    mse16 = float(((dequantize_keys(c16, s16, z16) - keys) ** 2).mean())
+    mse8 = float(((dequantize_keys(c8, *decode_key_grid(zc, sc, ref)) - keys) ** 2).mean())
+    assert mse16 <= mse8 <= 1.05 * mse16  # coarser grid levels, within 5 % of the fp16 grid's error
+
+
+def test_compact_key_grid_of_constant_and_empty_windows():
+    const = torch.full((3, 8, 16), -2.5)
+    codes, zc, sc, ref = quantize_keys_compact(const)
+    assert torch.equal(dequantize_keys(codes, *decode_key_grid(zc, sc, ref)), const)
+    codes, zc, sc, ref = quantize_keys_compact(torch.zeros(0, 8, 16))
+    assert codes.shape == (0, 8, 4) and zc.shape == (0, 16) and ref.shape == (0, 3)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_keys_compact(torch.full((1, 2, 4), float("inf")))
+    with pytest.raises(ValueError, match="float16"):
+        quantize_keys_compact(torch.full((1, 2, 4), 1e6))
+
+
+def test_compact_window_bytes_match_the_stored_tensors():
+    for w, d in ((8, 64), (16, 128), (1, 4)):
+        assert int2_window_bytes(w, d, "int8") == d * w // 2 + 2 * d + 6 + 4 * w
+        codes, zc, sc, ref = quantize_keys_compact(torch.randn(1, w, d))
+        vcodes, vs, vz = quantize_values(torch.randn(1, w, d))
+        stored = sum(t.numel() * t.element_size() for t in (codes, zc, sc, ref, vcodes, vs, vz))
+        assert stored == int2_window_bytes(w, d, "int8")
+    assert int2_window_bytes(8, 64, "int8") == 422 and int2_window_bytes(8, 64) == 544
+    with pytest.raises(ValueError, match="key_grid"):
+        int2_window_bytes(8, 64, "int4")

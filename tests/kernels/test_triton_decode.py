@@ -25,11 +25,12 @@ def test_paged_triton_equals_torch(triton_kernels, group, dtype):
     assert bool((out[0, :group] == 0).all())
 
 
+@pytest.mark.parametrize("key_grid", ["fp16", "int8"])  # int8: the compact grid, decoded to float32
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_triton_equals_torch(triton_kernels, group, dtype):
+def test_mixed_triton_equals_torch(triton_kernels, group, dtype, key_grid):
     fp = random_paged_store(2, 2, group, 32, [0, 20, 0, 150], block_size=8, dtype=dtype, device=DEVICE, seed=7)
-    int2 = random_int2_store(4, 32, [0, 4, 6, 11], window=8, device=DEVICE)
+    int2 = random_int2_store(4, 32, [0, 4, 6, 11], window=8, device=DEVICE, key_grid=key_grid)
     args = [fp[k] for k in FP_KEYS] + [int2[k] for k in INT2_KEYS]
     ref = mixed_decode_attention_torch(*args, 0.2)
     for splits in (None, 2):
