@@ -49,16 +49,21 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 
 def _grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 (scale, zero) with zero <= lo and zero + 3 * scale >= hi in float32 arithmetic."""
-    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
-        raise ValueError("INT2 quantization got non-finite values")
-    if lo.numel() and max(float(lo.abs().amax()), float(hi.abs().amax())) > _FP16_MAX:
-        raise ValueError(f"INT2 quantization stores zero in float16: values beyond +-{_FP16_MAX} cannot be represented")
+    _check_range(lo, hi)
     zero = lo.to(torch.float16)
     zero = torch.where(zero.float() > lo, fp16_step_down(zero), zero)
     scale = ((hi - zero.float()) / CODE_MAX).to(torch.float16)
     short = zero.float() + CODE_MAX * scale.float() < hi
     scale = torch.where(short, fp16_step_up(scale), scale)
     return scale, zero
+
+
+def _check_range(lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Group minima and maxima a float16 grid (or its float16 references) can hold."""
+    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+        raise ValueError("INT2 quantization got non-finite values")
+    if lo.numel() and max(float(lo.abs().amax()), float(hi.abs().amax())) > _FP16_MAX:
+        raise ValueError(f"INT2 quantization stores zero in float16: values beyond +-{_FP16_MAX} cannot be represented")
 
 
 def fp16_step_down(x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +126,8 @@ def quantize_keys_compact(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if keys.dim() != 3:
         raise ValueError(f"keys must be [num_windows, w, head_dim], got {tuple(keys.shape)}")
     x = keys.float()
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("INT2 quantization got non-finite values")
     lo, hi = x.amin(dim=1), x.amax(dim=1)
-    if lo.numel() and max(float(lo.abs().amax()), float(hi.abs().amax())) > _FP16_MAX:
-        raise ValueError(f"INT2 quantization stores its grid in float16: values beyond +-{_FP16_MAX} cannot be represented")
+    _check_range(lo, hi)
     n = x.shape[0]
     if n == 0:
         u8 = torch.empty(0, x.shape[2], dtype=torch.uint8, device=x.device)

@@ -116,8 +116,11 @@ def make_cache(
     elif strategy is not None:
         raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
     scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
-    tier_config = _tier_config(key, spec, alloc, tiers, int2_share, window, key_rope, spill, int2_value, fp_unit,
-                               int2_share_by_budget, key_grid=key_grid)
+    tier_options = {name: value for name, value in (
+        ("int2_share", int2_share), ("window", window), ("key_rope", key_rope), ("spill", spill),
+        ("int2_value", int2_value), ("fp_unit", fp_unit), ("int2_share_by_budget", int2_share_by_budget),
+        ("key_grid", key_grid)) if value is not None}
+    tier_config = _tier_config(key, spec, alloc, tiers, tier_options)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16
     if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
@@ -148,11 +151,9 @@ def make_cache(
     )
 
 
-def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | None,
-                 window: int | None, key_rope: str | None = None, spill: bool | None = None,
-                 int2_value: float | None = None, fp_unit: str | None = None,
-                 int2_share_by_budget: tuple | None = None, key_grid: str | None = None) -> TierConfig | None:
-    """The tiering a cache gets from ``tiers=`` and the policy (qevict and kivi2 are tiered)."""
+def _tier_config(key: str, spec, alloc, tiers: str | None, options: dict[str, Any]) -> TierConfig | None:
+    """The tiering a cache gets from ``tiers=``, the policy (qevict and kivi2 are tiered) and the
+    tier ``options`` the caller gave (``make_cache``'s tier keywords that are not None)."""
     if tiers is not None and tiers not in ("int2", "none"):
         raise ValueError(f"tiers must be 'int2' (or 'none'), got {tiers!r}")
     if tiers is None and spec.default_tiers is not None:
@@ -160,12 +161,9 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if tiers in (None, "none"):
         if spec.default_tiers is not None:
             raise ValueError(f"policy {key!r} is a tiered cache: it cannot run with tiers='none'")
-        if (int2_share is not None or window is not None or key_rope is not None or spill or int2_value is not None
-                or fp_unit is not None or int2_share_by_budget is not None or key_grid is not None):
-            raise ValueError("int2_share=, int2_value=, window=, key_rope=, spill=, fp_unit=, int2_share_by_budget= "
-                             "and key_grid= "
-                             "configure the INT2 tier: "
-                             "pass tiers='int2' too")
+        given = [f"{name}=" for name, value in options.items() if value is not False]  # spill=False asks nothing
+        if given:
+            raise ValueError(f"{', '.join(given)} configure the INT2 tier: pass tiers='int2' too")
         return None
     if not spec.tierable:
         usable = ", ".join(name for name, s in POLICIES.items() if s.tierable and s.default_tiers is None)
@@ -176,39 +174,25 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, int2_share: float | N
     if getattr(alloc, "modality_floor", None) or getattr(alloc, "modality_cap", None) or getattr(alloc, "min_per_head", 0):
         raise ValueError("modality floors/caps and min_per_head of the global allocation are not applied by the tier "
                          "router; drop them or tiers")
-    fields = dict(spec.default_tiers if spec.default_tiers is not None else spec.tier_settings or {})
-    if int2_value is not None and fp_unit is None:
-        # the value split routes whole windows: the policy's entry-level settings do not apply to it
-        fields = {k: v for k, v in fields.items() if k not in ("fp_unit", "int2_share", "int2_share_by_budget")}
-    if fp_unit is not None and fp_unit != "token":
-        fields.pop("int2_share_by_budget", None)  # applied by the entry router only
-    if int2_share is not None:
-        fields.pop("int2_share_by_budget", None)  # a share the caller gives holds at every budget
-        fields["int2_share"] = int2_share
-    if window is not None:
-        fields["window"] = window
-    if key_rope is not None:
-        fields["key_rope"] = key_rope
-    if spill is not None:
-        fields["spill"] = spill
-    if key_grid is not None:
-        fields["key_grid"] = key_grid
-    splits = [name for name, v in (("int2_share=", int2_share), ("int2_value=", int2_value),
-                                   ("int2_share_by_budget=", int2_share_by_budget)) if v is not None]
+    splits = [f"{name}=" for name in ("int2_share", "int2_value", "int2_share_by_budget") if name in options]
     if len(splits) > 1:
         raise ValueError(f"{' and '.join(splits)} are ways to split FP / INT2: pass one of them")
-    if int2_value is not None:
+    fields = dict(spec.default_tiers if spec.default_tiers is not None else spec.tier_settings or {})
+    # the policy's FP / INT2 split gives way to the caller's: a fixed share holds at every budget, the
+    # value split routes whole windows (entry settings do not apply) and a budget schedule needs entry routing
+    if "int2_value" in options and "fp_unit" not in options:
+        fields = {k: v for k, v in fields.items() if k not in ("fp_unit", "int2_share", "int2_share_by_budget")}
+    if options.get("fp_unit", "token") != "token" or "int2_share" in options:
+        fields.pop("int2_share_by_budget", None)
+    if "int2_value" in options:
         reduce = getattr(spec.scorer, "window_reduce", None)
         if reduce not in ("sum", "logsumexp"):
             raise ValueError(f"int2_value= splits FP / INT2 by the value of windows, which needs additive window "
                              f"scores; policy {key!r} reduces its windows by {reduce!r}: use int2_share= instead")
-        fields["int2_value"] = int2_value
-    if fp_unit is not None:
-        fields["fp_unit"] = fp_unit
-    if int2_share_by_budget is not None:
-        fields["int2_share_by_budget"] = tuple(int2_share_by_budget)
+    fields.update(options)
+    if "int2_share_by_budget" in fields:
+        fields["int2_share_by_budget"] = tuple(fields["int2_share_by_budget"])
     return TierConfig(**fields)
-
 
 def _resolve_gates(model: torch.nn.Module, gates: "str | torch.nn.Module | None", kind: str, policy: str) -> torch.nn.Module:
     if gates is None:

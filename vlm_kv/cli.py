@@ -199,19 +199,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.evict_every < 1:
             raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
         kwargs["evict_every"] = args.evict_every
-    for given, flag in ((args.int2_share, "--int2-share"), (args.fp_unit, "--fp-unit"), (args.key_grid, "--key-grid")):
-        if given is not None and args.tiers is None:
-            raise ValueError(f"{flag} needs --tiers int2")
-    if args.tiers is not None:
-        from vlm_kv.tier_router import TierConfig
-
-        TierConfig(int2_share=0.7 if args.int2_share is None else args.int2_share, window=args.window,
-                   fp_unit=args.fp_unit or "window", key_grid=args.key_grid or "fp16")
-        kwargs.update(tiers=args.tiers, int2_share=args.int2_share)  # diagnose passes window= with them
-        if args.fp_unit is not None:
-            kwargs["fp_unit"] = args.fp_unit
-        if args.key_grid is not None:
-            kwargs["key_grid"] = args.key_grid
+    kwargs.update(tier_kwargs(args, window=False))  # diagnose passes its --window to the tiers too
     _check_text(args.text)
     _check_model(args.model)
     model, tok = _load(args.model, args.dtype)
@@ -237,12 +225,7 @@ def _add_diagnose_parser(sub) -> None:
     p.add_argument("--window", type=int, default=8, help="tokens per window (window id = position // window)")
     p.add_argument("--lir-m", type=int, default=2, help="consecutive events out of full precision before a window counts as latent")
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
-    p.add_argument("--tiers", choices=("int2",), default=None, help="recoverable INT2 tier (QEvict); passes window= too")
-    p.add_argument("--int2-share", type=float, default=None, help="share of the evictable budget spent on INT2 (with --tiers)")
-    p.add_argument("--fp-unit", choices=("window", "token"), default=None,
-                   help="with --tiers: choose FP by whole windows (default) or by single entries")
-    p.add_argument("--key-grid", choices=("fp16", "int8"), default=None,
-                   help="with --tiers: the keys' per-channel grid of an INT2 window in fp16 or as 8-bit codes")
+    add_tier_args(p, window=False)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="write a PNG: FMM and churn per event vs decode step")

@@ -1,4 +1,4 @@
-"""Command-line options several CLIs share (fidelity, bench, sweep, eval): the INT2 tiers."""
+"""Command-line options several CLIs share (fidelity, bench, sweep, eval, diagnose): the INT2 tiers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import argparse
 from typing import Any
 
 
-def add_tier_args(p: argparse.ArgumentParser) -> None:
+# option name -> make_cache keyword; store_true options are passed only when set
+_FLAGS = {"int2_share": "--int2-share", "int2_value": "--int2-value", "window": "--window", "key_rope": "--key-rope",
+          "spill": "--spill", "fp_unit": "--fp-unit", "key_grid": "--key-grid"}
+
+
+def add_tier_args(p: argparse.ArgumentParser, window: bool = True) -> None:
+    """The tier options; ``window=False`` where the command's own ``--window`` is also the tiers' (diagnose)."""
     p.add_argument("--tiers", choices=("int2",), default=None,
                    help="route windows to full precision / INT2 / evicted under the same byte budget (QEvict tiers)")
     p.add_argument("--int2-share", type=float, default=None,
@@ -14,7 +20,8 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int2-value", type=float, default=None,
                    help="with --tiers: split FP / INT2 by value per byte instead of --int2-share, an INT2 window "
                         "counting as this fraction of its FP worth (0-1]")
-    p.add_argument("--window", type=int, default=None, help="with --tiers: tokens per INT2 window (default 8)")
+    if window:
+        p.add_argument("--window", type=int, default=None, help="with --tiers: tokens per INT2 window (default 8)")
     p.add_argument("--key-rope", choices=("post", "pre"), default=None,
                    help="with --tiers: quantize keys as cached (post-RoPE, default) or rotated back to pre-RoPE")
     p.add_argument("--spill", action="store_true", default=None,
@@ -25,34 +32,24 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
                         "(INT2 stays per window)")
     p.add_argument("--key-grid", choices=("fp16", "int8"), default=None,
                    help="with --tiers: the keys' per-channel scale/zero of an INT2 window in fp16 (the paper's) or "
-                        "as 8-bit codes (int8: a window 22%% cheaper at w 8, head_dim 64)")
+                        "as 8-bit codes (int8, the default: a window 22%% cheaper at w 8, head_dim 64)")
 
 
-def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``make_cache`` keyword arguments for the tier options given (checked by ``make_cache``)."""
+def tier_kwargs(args: argparse.Namespace, window: bool = True) -> dict[str, Any]:
+    """``make_cache`` keyword arguments for the tier options given (range-checked before any model
+    loads); ``window=False``: ``args.window`` belongs to the command and is not read here."""
     kw: dict[str, Any] = {}
+    for name in _FLAGS:
+        if name == "window" and not window:
+            continue
+        value = getattr(args, name, None)
+        if value is not None and value is not False:
+            kw[name] = value
+    if kw and not getattr(args, "tiers", None):
+        raise ValueError(f"{', '.join(_FLAGS[k] for k in kw)} needs --tiers int2 (INT2 tier options)")
     if getattr(args, "tiers", None):
-        kw["tiers"] = args.tiers
-    if getattr(args, "int2_share", None) is not None:
-        kw["int2_share"] = args.int2_share
-    if getattr(args, "int2_value", None) is not None:
-        kw["int2_value"] = args.int2_value
-    if getattr(args, "window", None) is not None:
-        kw["window"] = args.window
-    if getattr(args, "key_rope", None) is not None:
-        kw["key_rope"] = args.key_rope
-    if getattr(args, "spill", None):
-        kw["spill"] = True
-    if getattr(args, "fp_unit", None) is not None:
-        kw["fp_unit"] = args.fp_unit
-    if getattr(args, "key_grid", None) is not None:
-        kw["key_grid"] = args.key_grid
-    if kw and "tiers" not in kw:
-        raise ValueError("--int2-share, --int2-value, --window, --key-rope, --spill, --fp-unit and --key-grid configure "
-                         "the INT2 tier: "
-                         "add --tiers int2")
-    if kw:
         from vlm_kv.tier_router import TierConfig
 
-        TierConfig(**{k: v for k, v in kw.items() if k != "tiers"})  # range checks before any model loads
+        TierConfig(**kw)  # range checks before any model loads
+        kw["tiers"] = args.tiers
     return kw
