@@ -18,7 +18,7 @@ From Python::
 Model arguments: ``pretrained`` (local folder, required), ``policy`` (default ``snapkv``;
 ``full`` = no compression), ``budget`` (fraction 0.1 or tokens per KV head 256; default 0.25),
 ``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates``, ``strategy`` (polykv), ``tiers`` /
-``int2_share`` / ``int2_value`` / ``window`` / ``key_rope`` / ``spill`` / ``fp_unit`` / ``key_grid`` (passed to ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
+``int2_share`` / ``int2_value`` / ``window`` / ``key_rope`` / ``spill`` / ``fp_unit`` / ``key_grid`` / ``basis`` (passed to ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
 ``max_new_tokens`` (default when a task sets none), ``min_pixels`` / ``max_pixels`` (Qwen VL:
 images sized as qwen-vl-utils does, ``vlm_kv.vision_inputs``). It is a "simple" lmms-eval model: requests
 carry the prompt text and ``doc_to_visual``; images go before the text in one user turn.
@@ -53,7 +53,7 @@ MODEL_NAME = "vlm_kv"
 INSTALL_HINT = "pip install 'vlm-kv[lmms]'"
 
 _CACHE_ARGS = ("policy", "budget", "evict_every", "allocation", "slack", "seed", "gates", "strategy", "tiers",
-               "int2_share", "int2_value", "window", "key_rope", "spill", "fp_unit", "key_grid")
+               "int2_share", "int2_value", "window", "key_rope", "spill", "fp_unit", "key_grid", "basis")
 _LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens", "min_pixels", "max_pixels")
 # passed by lmms-eval's harness on its own; accepted and ignored (one request at a time)
 _HARNESS_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_cache")

@@ -25,7 +25,7 @@ import time
 
 
 _CACHE_OPTIONS = {"tiers": str, "int2_share": float, "int2_value": float, "window": int, "fp_unit": str,
-                  "key_grid": str}
+                  "key_grid": str, "key_rope": str, "basis": str}
 
 
 def parse_cell(text: str) -> dict:

@@ -5,7 +5,8 @@ INT2 windows in one softmax), each with a pure PyTorch reference (``*_torch``) a
 kernel (``*_triton``, imported lazily so CPU installs never need triton). Prefill over a
 compressed cache: ``paged_prefill_attention`` (flash-attn varlen on CUDA, PyTorch otherwise).
 INT2 windows: ``quantize_keys``/``quantize_values`` and their inverses; ``quantize_keys_compact``
-with ``decode_key_grid`` for the compact (8-bit) key grid.
+with ``decode_key_grid`` for the compact (8-bit) key grid; ``hadamard_basis`` for windows quantized
+in a Walsh-Hadamard basis.
 """
 
 from vlm_kv.kernels.dispatch import (
@@ -18,6 +19,7 @@ from vlm_kv.kernels.int2 import (
     decode_key_grid,
     dequantize_keys,
     dequantize_values,
+    hadamard_basis,
     int2_window_bytes,
     pack_int2,
     quantize_keys,
@@ -43,7 +45,7 @@ __all__ = [
     "mixed_decode_attention", "mixed_decode_attention_torch", "mixed_attention_weights_torch",
     "resolve_backend", "triton_available",
     "quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values",
-    "quantize_keys_compact", "decode_key_grid",
+    "quantize_keys_compact", "decode_key_grid", "hadamard_basis",
     "pack_int2", "unpack_int2", "int2_window_bytes",
     "paged_prefill_attention", "paged_prefill_attention_torch", "pack_paged_prefill", "unpack_prefill_output",
     "flash_attn_available",

@@ -14,6 +14,14 @@ largest part of an INT2 window in bf16 (256 of 544 bytes at w = 8, head_dim = 64
 grid is computed in float32 and the key codes against it, with zero still at or below the min and
 ``zero + 3 * scale`` at or above the max, so the ``scale / 2`` bound holds for the decoded scale.
 
+Hadamard basis (``basis="hadamard"``, ours; the paper quantizes in the channel basis): keys and
+values are quantized as ``x @ H``, with ``H`` an orthonormal, symmetric Walsh-Hadamard matrix
+(block-diagonal with the largest power-of-two block dividing head_dim), and dequantized back as
+``x' @ H``. The rotation spreads a token's outlier channels over all channels, so the per-token value
+grid is finer, and evens out the per-channel key ranges, before the same 2-bit grids apply. The
+codes and bytes are unchanged; the kernels attend rotated codes with the query rotated the same way
+(``q . k = (q H) . (k H)``) and rotate the INT2 part of the output back.
+
 Packing: four codes per byte along head_dim, channel ``d`` in bits ``2 * (d % 4)`` and
 ``2 * (d % 4) + 1`` of byte ``d // 4``; the Triton kernel unpacks the same way.
 """
@@ -102,6 +110,32 @@ def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 KEY_GRIDS = ("fp16", "int8")
+INT2_BASES = ("channel", "hadamard")
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def hadamard_basis(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal, symmetric [head_dim, head_dim] float32 Walsh-Hadamard matrix, block-diagonal
+    with the largest power-of-two block that divides head_dim (so ``H @ H`` is the identity)."""
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    device = torch.device(device)
+    found = _HADAMARD.get((head_dim, device))
+    if found is None:
+        block = head_dim & -head_dim  # largest power of two dividing head_dim
+        h = torch.ones(1, 1)
+        while h.shape[0] < block:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        found = torch.block_diag(*[h / block ** 0.5] * (head_dim // block)).to(device)
+        _HADAMARD[(head_dim, device)] = found
+    return found
+
+
+def int2_basis(name: str, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The matrix INT2 windows of basis ``name`` are quantized in (None: the channel basis)."""
+    if name not in INT2_BASES:
+        raise ValueError(f"basis must be one of {INT2_BASES}, got {name!r}")
+    return hadamard_basis(head_dim, device) if name == "hadamard" else None
 _GRID_LEVELS = 255
 
 

@@ -15,6 +15,9 @@ the byte accounting on purpose (the reported ``kv_bytes`` then exceed the budget
         window, charged at the amortized bytes with --charge: whether key grids can be shared
     python scripts/int2_what_if.py --fit mse[-keys|-values] -- ...
         grids over the least-squares clipped range instead of min-max (same bytes)
+    python scripts/int2_what_if.py --hadamard keys|values|both -- ... (keys: cells with key_rope=pre)
+        quantize keys (after RoPE is undone) and/or values in a Walsh-Hadamard rotated basis and
+        rotate back after dequantizing (same bytes): whether spreading outlier channels helps
 """
 
 from __future__ import annotations
@@ -145,6 +148,34 @@ def _fit(which: str) -> None:
         tier.quantize_values = values_mse
 
 
+def _hadamard_matrix(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if h.shape[0] != d:
+        raise ValueError(f"--hadamard needs a power-of-two head_dim, got {d}")
+    return h / d ** 0.5
+
+
+def _hadamard(part: str) -> None:
+    """Codes of H x instead of x (H orthonormal, symmetric); dequantized entries rotated back."""
+    import vlm_kv.int2_tier as tier
+    from vlm_kv.rope_keys import KeyRotation
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ _hadamard_matrix(x.shape[-1]).to(x.device)
+
+    if part in ("keys", "both"):
+        unrotate, rotate = KeyRotation.unrotate, KeyRotation.rotate
+        KeyRotation.unrotate = lambda self, keys, positions: fwd(unrotate(self, keys, positions))
+        KeyRotation.rotate = lambda self, keys, positions: rotate(self, fwd(keys), positions)
+    if part in ("values", "both"):
+        quantize, dequantize = tier.quantize_values, tier.dequantize_values
+        tier.quantize_values = lambda values: quantize(fwd(values))
+        tier.dequantize_values = lambda *a: fwd(dequantize(*a))
+        tier.Int2Tier.kernel_readable = property(lambda self: False)  # the kernels read the codes unrotated
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if "--" not in argv:
@@ -156,6 +187,7 @@ def main() -> int:
     p.add_argument("--exact", choices=("keys", "values", "both"), default=None)
     p.add_argument("--key-block", type=int, default=None)
     p.add_argument("--fit", choices=("mse", "mse-keys", "mse-values"), default=None)
+    p.add_argument("--hadamard", choices=("keys", "values", "both"), default=None)
     args = p.parse_args(argv[:cut])
     if args.charge is not None:
         _charge(args.charge)
@@ -165,6 +197,8 @@ def main() -> int:
         _key_block(args.key_block)
     if args.fit is not None:
         _fit(args.fit)
+    if args.hadamard is not None:
+        _hadamard(args.hadamard)
     from vlm_kv.gates.evaluate import main as evaluate
 
     return evaluate(argv[cut + 1:])

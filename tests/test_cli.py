@@ -136,14 +136,16 @@ def test_tier_options_are_checked_before_the_model_loads(shared_data, capsys, no
     assert "int2_value" in capsys.readouterr().err
     assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--int2-value", "0.5")) == 2
     assert "--tiers int2" in capsys.readouterr().err
+    assert main(_fidelity(text, "--policy", "h2o", "--budget", "0.1", "--int2-basis", "hadamard")) == 2
+    assert "--int2-basis needs --tiers int2" in capsys.readouterr().err
 
 
 def test_fidelity_with_tiers_reports_them_and_holds_the_budget(shared_data, capsys, monkeypatch, smollm2):
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
     text = shared_data / "text" / "pg84.txt"
     code = main(_fidelity(text, "--policy", "h2o", "--budget", "0.25", "--tiers", "int2", "--window", "4",
-                          "--offset", "100000", "--json"))
+                          "--int2-basis", "hadamard", "--offset", "100000", "--json"))
     assert code == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert row["tiers"] == "int2" and row["window"] == 4
+    assert row["tiers"] == "int2" and row["window"] == 4 and row["basis"] == "hadamard"
     assert 0 < row["max_kv_bytes"] <= 0.25 * row["full_kv_bytes"] + 1

@@ -55,3 +55,28 @@ def test_pre_rope_tiers_hold_the_budget_and_attend_rotated_keys():
             assert ((keys[i, t] - true_pre).abs() <= bound).all()
     with pytest.raises(ValueError, match="M-RoPE"):
         vlm_kv.make_cache(tiny_model("qwen2_vl"), policy="h2o", budget=0.3, tiers="int2", key_rope="pre")
+
+
+def test_pre_rope_keys_in_the_hadamard_basis_come_back_within_the_grid_bound():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    tokens = torch.randint(5, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2", key_rope="pre", basis="hadamard")
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=tokens[:, :80], past_key_values=cache, use_cache=True)
+        model(input_ids=tokens[:, :80], past_key_values=full, use_cache=True)
+    tier = cache.layers[0].tier
+    assert tier.num_active > 0 and tier.basis is not None and not tier.kernel_readable
+    idx = torch.arange(len(tier))
+    keys, _ = tier.dequantize(idx)  # back in the model's space: out of the basis, RoPE applied again
+    scale, _ = tier.codes.key_grid(idx)
+    H = model.config.num_key_value_heads
+    for i in range(len(tier)):
+        # both rotations keep norms, so the half-step bound per rotated channel bounds the error norm
+        bound = float((scale[i].float() / 2).norm()) + 1e-3
+        for t in range(tier.window):
+            p = int(tier.positions[i, t])
+            if p >= 0:
+                assert float((keys[i, t].float() - full.layers[0].keys[0, int(tier.row[i]) % H, p]).norm()) <= bound

@@ -16,10 +16,12 @@ TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_ll
 LONG = {"qevict", "adakv", "dbtrimkv"}
 
 
-def _kwargs(policy, model, fp_unit=None, key_grid=None):
+def _kwargs(policy, model, fp_unit=None, key_grid=None, basis=None):
     kw = {} if fp_unit is None else {"fp_unit": fp_unit}
     if key_grid is not None:
         kw["key_grid"] = key_grid
+    if basis is not None:
+        kw["basis"] = basis
     if policy in ("snapkv", "adakv", "pyramidkv"):
         kw["scorer_kwargs"] = {"window": 8}
     if policy == "dbtrimkv":
@@ -33,11 +35,13 @@ def _kwargs(policy, model, fp_unit=None, key_grid=None):
 
 
 
-@pytest.mark.parametrize("policy, fp_unit, key_grid", [(p, None, None) for p in TIERED] + [(p, "token", None) for p in sorted(LONG)]
-                         + [("qevict", None, "int8"), ("dbtrimkv", "token", "int8")])
-def test_held_bytes_stay_within_budget_at_every_routing_event(policy, fp_unit, key_grid):
+@pytest.mark.parametrize("policy, fp_unit, key_grid, basis",
+                         [(p, None, None, None) for p in TIERED] + [(p, "token", None, None) for p in sorted(LONG)]
+                         + [("qevict", None, "int8", None), ("dbtrimkv", "token", "int8", None),
+                            ("qevict", None, None, "hadamard"), ("dbtrimkv", "token", None, "hadamard")])
+def test_held_bytes_stay_within_budget_at_every_routing_event(policy, fp_unit, key_grid, basis):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model, fp_unit, key_grid))
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, **_kwargs(policy, model, fp_unit, key_grid, basis))
     steps = record_evictions(cache)
     decode = 300 if policy in LONG else 64
     feed_tokens(model, cache, random_tokens(64 + decode, batch=2, vocab=model.config.vocab_size), 64)
@@ -89,10 +93,10 @@ def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy
     assert cache.stats()["per_tier"]["quantized"] == 0
 
 
-@pytest.mark.parametrize("key_grid", ["fp16", "int8"])
-def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once(key_grid):
+@pytest.mark.parametrize("key_grid, basis", [("fp16", "channel"), ("int8", "channel"), ("int8", "hadamard")])
+def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once(key_grid, basis):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", key_grid=key_grid)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", key_grid=key_grid, basis=basis)
     feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     layer = cache.layers[0]
     tier = layer.tier
@@ -309,6 +313,29 @@ def test_quantized_windows_round_trip_their_grid():
     assert torch.equal(c.select(torch.tensor([2, 0])).key_grid()[1], c.key_grid()[1][[2, 0]])
 
 
+def test_a_hadamard_tier_stores_rotated_codes_and_gives_back_the_entries():
+    from vlm_kv.int2_tier import Int2Tier
+    from vlm_kv.kernels.int2 import hadamard_basis
+
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(3, 8, 16, generator=gen) * torch.linspace(0.2, 6, 16)
+    values = torch.randn(3, 8, 16, generator=gen)
+    values[..., 3] += 12.0  # an outlier channel stretches each token's grid
+    tier = Int2Tier(1, 3, 16, 8, torch.float32, torch.device("cpu"), basis="hadamard")
+    h = hadamard_basis(16)
+    codes = tier.quantize(keys, values)
+    rotated = QuantizedWindows.quantize(keys @ h, values @ h, tier.key_grid)
+    for a, b in zip(codes._tensors(), rotated._tensors()):  # the codes of the rotated windows, same bytes
+        assert torch.equal(a, b)
+    tier.codes, tier.positions = codes, torch.arange(24, dtype=torch.int32).view(3, 8)
+    k, v = tier.dequantize(torch.arange(3))
+    kr, vr = rotated.dequantize(torch.float32)
+    torch.testing.assert_close(k, kr @ h, rtol=0, atol=1e-5)
+    torch.testing.assert_close(v, vr @ h, rtol=0, atol=1e-5)
+    plain = QuantizedWindows.quantize(keys, values, tier.key_grid).dequantize(torch.float32)[1]
+    assert (v - values).pow(2).mean() < (plain - values).pow(2).mean()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"policy": "h2o", "tiers": "int2", "int2_share": 1.0}, "int2_share"),
     ({"policy": "h2o", "tiers": "int2", "int2_share": -0.1}, "int2_share"),
@@ -324,6 +351,8 @@ def test_quantized_windows_round_trip_their_grid():
     ({"policy": "kivi2", "budget": 1.0, "fp_unit": "token"}, "fp_unit='token'"),
     ({"policy": "h2o", "tiers": "int2", "key_grid": "int4"}, "key_grid"),
     ({"policy": "h2o", "key_grid": "int8"}, "pass tiers='int2'"),
+    ({"policy": "h2o", "tiers": "int2", "basis": "pca"}, "basis must be one of"),
+    ({"policy": "h2o", "basis": "hadamard"}, "pass tiers='int2'"),
 ])
 def test_bad_tier_settings_are_refused_clearly(kwargs, match):
     model = tiny_model("llama")

@@ -56,6 +56,7 @@ def make_cache(
     fp_unit: str | None = None,
     int2_share_by_budget: tuple[float, float, float, float] | None = None,
     key_grid: str | None = None,
+    basis: str | None = None,
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
@@ -101,6 +102,9 @@ def make_cache(
     key_grid: with tiers, how an INT2 window stores its keys' per-channel scale and zero: "fp16"
         (the paper's) or "int8" (8-bit codes of both against three fp16 references per window:
         422 instead of 544 bytes a window at w 8, head_dim 64; see docs/tiers.md).
+    basis: with tiers, quantize INT2 windows in the "channel" basis (the paper's) or after a
+        Walsh-Hadamard rotation of keys and values ("hadamard": same bytes, spreads outlier
+        channels; the kernels rotate the query and the INT2 output instead of the entries).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)
@@ -119,7 +123,7 @@ def make_cache(
     tier_options = {name: value for name, value in (
         ("int2_share", int2_share), ("window", window), ("key_rope", key_rope), ("spill", spill),
         ("int2_value", int2_value), ("fp_unit", fp_unit), ("int2_share_by_budget", int2_share_by_budget),
-        ("key_grid", key_grid)) if value is not None}
+        ("key_grid", key_grid), ("basis", basis)) if value is not None}
     tier_config = _tier_config(key, spec, alloc, tiers, tier_options)
     if evict_every is None:
         evict_every = tier_config.window if tier_config is not None else 16

@@ -66,7 +66,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.cache.tiers is not None:
             self.tier = Int2Tier(b, h, d, self.cache.tiers.window, key_states.dtype, key_states.device,
                                  self.cache.scorer.state_names, rope=self.cache.key_rotation,
-                                 spill=self.cache.tiers.spill, key_grid=self.cache.tiers.key_grid)
+                                 spill=self.cache.tiers.spill, key_grid=self.cache.tiers.key_grid,
+                                 basis=self.cache.tiers.basis)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -156,7 +157,16 @@ class CompressedLayer(CacheLayerMixin):
         tail_table = (torch.arange(rows, device=dev) * cap)[:, None] + torch.arange(T, device=dev)[None]
         tail = (store._tail_k.view(-1, 1, d), store._tail_v.view(-1, 1, d), tail_table.to(torch.int32),
                 torch.full((rows,), T, dtype=torch.int32, device=dev))
-        out = paged_decode_sources_triton(query[:, :, 0].contiguous(), [body + (self.tier.kernel_pools(),), tail], scaling)
+        int2 = self.tier.kernel_pools()
+        q = query[:, :, 0].contiguous()
+        basis = self.tier.basis
+        if basis is None:
+            out = paged_decode_sources_triton(q, [body + (int2,), tail], scaling)
+        else:  # rotated INT2 windows: their own source, read with the rotated query
+            none = store.body_keys.new_zeros(0, 1, d)
+            int2_only = (none, none, torch.zeros(rows, 1, dtype=torch.int32, device=dev),
+                         torch.zeros(rows, dtype=torch.int32, device=dev), int2)
+            out = paged_decode_sources_triton(q, [body, int2_only, tail], scaling, bases=[None, basis, None])
         return out.view(b, 1, hq, d)
 
     def num_entries(self) -> int:

@@ -93,7 +93,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         print(json.dumps(dict(result.json_fields(), prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                               tiers=args.tiers, int2_share=args.int2_share, int2_value=args.int2_value,
                               window=args.window, key_rope=args.key_rope, fp_unit=args.fp_unit,
-                              key_grid=args.key_grid)))
+                              key_grid=args.key_grid, basis=args.basis)))
     else:
         r = result
         print(f"policy {r.policy}  budget {r.budget}  context {r.context}  continuation {r.continuation}")

@@ -8,7 +8,8 @@ from typing import Any
 
 # option name -> make_cache keyword; store_true options are passed only when set
 _FLAGS = {"int2_share": "--int2-share", "int2_value": "--int2-value", "window": "--window", "key_rope": "--key-rope",
-          "spill": "--spill", "fp_unit": "--fp-unit", "key_grid": "--key-grid"}
+          "spill": "--spill", "fp_unit": "--fp-unit", "key_grid": "--key-grid",
+          "basis": "--int2-basis"}
 
 
 def add_tier_args(p: argparse.ArgumentParser, window: bool = True) -> None:
@@ -33,6 +34,9 @@ def add_tier_args(p: argparse.ArgumentParser, window: bool = True) -> None:
     p.add_argument("--key-grid", choices=("fp16", "int8"), default=None,
                    help="with --tiers: the keys' per-channel scale/zero of an INT2 window in fp16 (the paper's) or "
                         "as 8-bit codes (int8, the default: a window 22%% cheaper at w 8, head_dim 64)")
+    p.add_argument("--int2-basis", dest="basis", choices=("channel", "hadamard"), default=None,
+                   help="with --tiers: quantize INT2 windows per channel as stored (the paper's) or after a "
+                        "Walsh-Hadamard rotation of keys and values (same bytes)")
 
 
 def tier_kwargs(args: argparse.Namespace, window: bool = True) -> dict[str, Any]:

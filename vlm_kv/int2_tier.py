@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from vlm_kv.kernels.int2 import (
-    KEY_GRIDS, decode_key_grid, dequantize_keys, dequantize_values, int2_window_bytes, quantize_keys,
+    KEY_GRIDS, decode_key_grid, dequantize_keys, dequantize_values, int2_basis, int2_window_bytes, quantize_keys,
     quantize_keys_compact, quantize_values,
 )
 from vlm_kv.storage import PaddedView, tensor_bytes
@@ -208,7 +208,7 @@ class Int2Tier:
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype,
                  device: torch.device, state_names: tuple[str, ...] = (), rope=None, spill: bool = False,
-                 key_grid: str = "fp16") -> None:
+                 key_grid: str = "fp16", basis: str = "channel") -> None:
         if key_grid not in KEY_GRIDS:
             raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {key_grid!r}")
         if head_dim % 4:
@@ -222,6 +222,8 @@ class Int2Tier:
         self.state_names = tuple(state_names)
         self.rope = rope  # a KeyRotation when keys are quantized pre-RoPE, else None
         self.key_grid = key_grid
+        # [D, D] orthonormal matrix the windows are quantized in (Hadamard), None for the channel basis
+        self.basis = int2_basis(basis, head_dim, device)
         self.codes = QuantizedWindows.empty(window, head_dim, device, key_grid)
         self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
         self.window_id = torch.empty(0, dtype=torch.long, device=device)  # position // w
@@ -337,10 +339,34 @@ class Int2Tier:
         fallback step, entries routed to FP) go to the kernels as a slot mask."""
         return self.rope is None
 
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedWindows:
+        """Codes of windows [n, w, D] (keys already pre-RoPE when ``rope`` is set), in the tier's basis."""
+        return QuantizedWindows.quantize(self._into_basis(keys), self._into_basis(values), self.key_grid)
+
+    def dequantize(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE, as attended) and values [len(idx), w, D] of ledger windows ``idx``, model dtype."""
+        c = self.codes
+        keys = self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx])
+        values = self._out_of_basis(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]))
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def _into_basis(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.basis is None else x.float() @ self.basis
+
+    def _out_of_basis(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.basis is None else x @ self.basis.T
+
+    def _decode_keys(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        keys = self._out_of_basis(dequantize_keys(codes, scale, zero))
+        return keys if self.rope is None else self.rope.rotate(keys, positions)
+
     def kernel_pools(self) -> tuple[torch.Tensor, ...]:
         """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts,
         then the attended-slot mask when a window has a hole. A compact key grid reaches the kernels
-        decoded (float32 scale and zero, rebuilt per call so that the cache holds only the codes)."""
+        decoded (float32 scale and zero, rebuilt per call so that the cache holds only the codes).
+        With a Hadamard ``basis`` the codes are of rotated keys and values: the kernel must attend
+        them with the query times ``basis`` and multiply their output by ``basis.T``."""
         c = self.codes
         pools = (c.key_codes, *c.key_grid(), c.value_codes, c.value_scale, c.value_zero, *self.window_table())
         mask = self._layout()["slot_mask"]
@@ -352,12 +378,10 @@ class Int2Tier:
         layout = self._layout()
         idx = layout["idx"]
         c = self.codes
-        keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx))
-        if self.rope is not None:
-            keys = self.rope.rotate(keys, self.positions[idx])
-        keys = self._lay(layout, keys, 0, dtype)
+        keys = self._lay(layout, self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx]), 0, dtype)
         if with_values:
-            values = self._lay(layout, dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]), 0, dtype)
+            values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx])
+            values = self._lay(layout, self._out_of_basis(values), 0, dtype)
         else:
             values = keys[..., :0]
         view = PaddedView(

@@ -37,8 +37,8 @@ from typing import Sequence
 import torch
 
 from vlm_kv.allocation import HeadAdaptive, top_k_mask
-from vlm_kv.int2_tier import Int2Tier, NewWindows, QuantizedWindows, SpillCopies
-from vlm_kv.kernels.int2 import KEY_GRIDS
+from vlm_kv.int2_tier import Int2Tier, NewWindows, SpillCopies
+from vlm_kv.kernels.int2 import INT2_BASES, KEY_GRIDS
 from vlm_kv.ledger import TokenLedger
 from vlm_kv.storage import Entries, PaddedView
 from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups, window_value
@@ -73,6 +73,8 @@ class TierConfig:
     ``key_grid``: the keys' per-channel grid of an INT2 window, ``"fp16"`` scale and zero (the
     paper's) or ``"int8"`` (their 8-bit codes against three fp16 references per window;
     ``vlm_kv.kernels.int2``), which makes a window 22 % cheaper at w 8, head_dim 64.
+    ``basis``: the basis windows are quantized in, ``"channel"`` (the paper's) or ``"hadamard"``
+    (keys and values rotated by a Walsh-Hadamard matrix first; same bytes, less error).
     """
 
     int2_share: float = 0.7
@@ -87,8 +89,11 @@ class TierConfig:
     # dbtrimkv and at 0.05 / 0.1 for H2O window mass (bf16; docs/tiers.md, session 8); qevict and
     # kivi2 keep the published fp16 grid
     key_grid: str = "int8"
+    basis: str = "channel"
 
     def __post_init__(self) -> None:
+        if self.basis not in INT2_BASES:
+            raise ValueError(f"basis must be one of {INT2_BASES}, got {self.basis!r}")
         if self.key_grid not in KEY_GRIDS:
             raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {self.key_grid!r}")
         if self.fp_unit not in ("window", "token"):
@@ -410,7 +415,7 @@ class TierRouter:
             if bool(fresh.any()):
                 idx = torch.nonzero(fresh).flatten()
                 new_windows = NewWindows(
-                    codes=QuantizedWindows.quantize(demoted.keys[idx], demoted.values[idx], tier.key_grid),
+                    codes=tier.quantize(demoted.keys[idx], demoted.values[idx]),
                     row=demoted.row[idx], window_id=demoted.window_id[idx],
                     positions=demoted.positions[idx], modality=demoted.modality[idx],
                     state={k: v[idx] for k, v in demoted.state.items()},
@@ -435,9 +440,7 @@ class TierRouter:
         if tier.spill is not None:
             keys, values = tier.spill.restore(idx, tier.device)  # post-RoPE keys as first cached
         else:
-            keys, values = tier.codes.select(idx).dequantize(tier.dtype)
-            if tier.rope is not None:
-                keys = tier.rope.rotate(keys, pos).to(tier.dtype)
+            keys, values = tier.dequantize(idx)
         present = pos >= 0
         w = tier.window
         return Entries(

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from vlm_kv.allocation import HeadAdaptive, top_k_mask
-from vlm_kv.int2_tier import Int2Tier, NewWindows, QuantizedWindows, SpillCopies
+from vlm_kv.int2_tier import Int2Tier, NewWindows, SpillCopies
 from vlm_kv.storage import Entries
 from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups
 
@@ -280,7 +280,7 @@ def apply_entries(config, layer, r, decision: torch.Tensor, fallback: torch.Tens
         attended = (win.positions >= 0) & torch.isin(slot_key, demoted_key)
         positions = torch.where(attended, win.positions, torch.full_like(win.positions, -1))
         new_windows = NewWindows(
-            codes=QuantizedWindows.quantize(win.keys, win.values, tier.key_grid), row=win.row, window_id=win.window_id,
+            codes=tier.quantize(win.keys, win.values), row=win.row, window_id=win.window_id,
             positions=positions, modality=win.modality, state=win.state,
             spill=SpillCopies.from_device(win.original_keys, win.values, tier.pin_spill) if tier.spill is not None else None,
         )
@@ -314,11 +314,9 @@ def _promoted_slots(tier: Int2Tier, slots: torch.Tensor, state_names: tuple[str,
     if tier.spill is not None:
         keys, values = tier.spill.restore(windows, tier.device)
     else:
-        keys, values = tier.codes.select(windows).dequantize(tier.dtype)
+        keys, values = tier.dequantize(windows)
     keys, values = keys[inverse, s], values[inverse, s]
     pos = tier.positions.view(-1)[slots]
-    if tier.spill is None and tier.rope is not None:
-        keys = tier.rope.rotate(keys[:, None], pos[:, None])[:, 0].to(tier.dtype)
     return Entries(
         rows=tier.row[slots // w], keys=keys, values=values, positions=pos,
         modality=tier.modality.view(-1)[slots],

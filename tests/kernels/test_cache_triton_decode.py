@@ -33,9 +33,13 @@ def test_triton_decode_with_a_full_budget_matches_dynamic_cache(triton_kernels):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("fp_unit, key_grid", [("window", "fp16"), ("token", "fp16"), ("token", "int8")])
-def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kernels, monkeypatch, fp_unit, key_grid):
-    # token: windows with holes, read with a slot mask; int8: the compact key grid, decoded for the kernel
+@pytest.mark.parametrize("fp_unit, key_grid, basis", [("window", "fp16", "channel"), ("token", "fp16", "channel"),
+                                                     ("token", "int8", "channel"), ("token", "int8", "hadamard"),
+                                                     ("window", "fp16", "hadamard")])
+def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kernels, monkeypatch, fp_unit, key_grid,
+                                                                     basis):
+    # token: windows with holes, read with a slot mask; int8: the compact key grid, decoded for the kernel;
+    # hadamard: rotated codes, read as their own source with the rotated query
     """The kernel reads the packed INT2 windows beside the FP body and tail, in one softmax."""
     from vlm_kv.cache import CompressedLayer
 
@@ -55,8 +59,9 @@ def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kern
     for backend in ("torch", "triton"):
         cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4,
                                   scorer_kwargs={"window": 4}, attention_backend=backend, fp_unit=fp_unit,
-                                  key_grid=key_grid)
+                                  key_grid=key_grid, basis=basis)
         runs[backend] = model.generate(**kwargs, cache=cache)
+        assert (cache.layers[0].tier.basis is not None) == (basis == "hadamard")
         held[backend] = cache.stats()["per_tier"]
         if fp_unit == "token":
             assert not all(layer.tier.windows_full for layer in cache.layers)  # holes reached the kernel

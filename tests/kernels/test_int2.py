@@ -4,6 +4,8 @@ import torch
 from vlm_kv.kernels.int2 import (
     dequantize_keys,
     dequantize_values,
+    hadamard_basis,
+    int2_basis,
     int2_window_bytes,
     pack_int2,
     quantize_keys,
@@ -176,3 +178,37 @@ def test_compact_window_bytes_match_the_stored_tensors():
     assert int2_window_bytes(8, 64, "int8") == 422 and int2_window_bytes(8, 64) == 544
     with pytest.raises(ValueError, match="key_grid"):
         int2_window_bytes(8, 64, "int4")
+
+
+@pytest.mark.parametrize("head_dim, block", [(64, 64), (128, 128), (96, 32), (80, 16), (4, 4)])
+def test_hadamard_basis_is_orthonormal_symmetric_and_block_diagonal(head_dim, block):
+    h = hadamard_basis(head_dim)
+    assert h.shape == (head_dim, head_dim) and h.dtype == torch.float32
+    torch.testing.assert_close(h @ h, torch.eye(head_dim), rtol=0, atol=1e-6)
+    assert torch.equal(h, h.T)
+    assert bool((h.abs()[:block, :block] == block ** -0.5).all())  # a full Walsh-Hadamard block
+    if block < head_dim:
+        assert bool((h[:block, block:] == 0).all())
+
+
+def test_int2_basis_names():
+    assert int2_basis("channel", 64) is None
+    assert torch.equal(int2_basis("hadamard", 64), hadamard_basis(64))
+    with pytest.raises(ValueError, match="basis must be one of"):
+        int2_basis("pca", 64)
+
+
+def test_hadamard_basis_spreads_an_outlier_channel_and_cuts_the_value_error():
+    # values are grouped per token: one outlier channel stretches the token's grid for all others
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 8, 64, generator=gen)
+    values[..., 5] += 30.0
+    h = hadamard_basis(64)
+    plain = dequantize_values(*quantize_values(values))
+    rotated = dequantize_values(*quantize_values(values @ h)) @ h
+    err_plain, err_rot = (plain - values).pow(2).mean(), (rotated - values).pow(2).mean()
+    assert err_rot < 0.5 * err_plain
+    # the rotated codes keep the half-step bound in the rotated basis, so the error norm is bounded per token
+    _, scale, _ = quantize_values(values @ h)
+    bound = (scale.float() / 2 * (1 + 1e-3) + 1e-6) * 64 ** 0.5
+    assert bool(((rotated - values).norm(dim=-1) <= bound).all())

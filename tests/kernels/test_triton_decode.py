@@ -106,3 +106,35 @@ def test_empty_pools(triton_kernels):
     args = [fp[k] for k in FP_KEYS] + [empty_int2[k] for k in INT2_KEYS]
     assert bool((triton_kernels.mixed_decode_attention_triton(*args, None, tile=16) == 0).all())
     assert bool((triton_kernels.paged_decode_attention_triton(*[fp[k] for k in FP_KEYS], None, tile=16) == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sources_with_a_rotated_basis_attend_the_rotated_back_entries(triton_kernels, dtype):
+    """INT2 windows quantized in a Hadamard basis: read with q @ H, their values rotated back, one softmax."""
+    import torch.nn.functional as F
+
+    from kernel_stores import row_entries
+    from vlm_kv.kernels.int2 import hadamard_basis
+
+    fp = random_paged_store(2, 2, 3, 32, [5, 20, 0, 40], block_size=8, dtype=dtype, device=DEVICE, seed=4)
+    none = random_paged_store(2, 2, 3, 32, [0, 0, 0, 0], block_size=8, spare_blocks=0, spare_columns=1, dtype=dtype,
+                              device=DEVICE)
+    int2 = random_int2_store(4, 32, [3, 0, 2, 5], window=8, device=DEVICE)
+    h = hadamard_basis(32, DEVICE)
+    sources = [tuple(fp[k] for k in FP_KEYS[1:]), tuple(none[k] for k in FP_KEYS[1:]) + (tuple(int2[k] for k in INT2_KEYS),)]
+    out = triton_kernels.paged_decode_sources_triton(fp["query"], sources, 0.3, bases=[None, h], tile=16)
+    q = fp["query"].float().cpu()
+    ref = torch.zeros_like(q)
+    for r in range(4):
+        k_fp, v_fp = row_entries(fp, None, r)
+        k_q, v_q = row_entries(none, int2, r)
+        keys, values = torch.cat([k_fp, k_q @ h.cpu()]), torch.cat([v_fp, v_q @ h.cpu()])
+        if keys.shape[0]:
+            b, kv = divmod(r, 2)
+            qs = q[b, kv * 3:(kv + 1) * 3][:, None]
+            ref[b, kv * 3:(kv + 1) * 3] = F.scaled_dot_product_attention(
+                qs, keys[None].expand(3, -1, -1), values[None].expand(3, -1, -1), scale=0.3)[:, 0]
+    assert out.dtype == dtype
+    assert torch.allclose(out.float().cpu(), ref, **TOL[dtype]), (out.float().cpu() - ref).abs().max()
+    with pytest.raises(ValueError, match="one entry .* per source"):
+        triton_kernels.paged_decode_sources_triton(fp["query"], sources, 0.3, bases=[h])
