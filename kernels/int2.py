@@ -14,8 +14,8 @@ largest part of an INT2 window in bf16 (256 of 544 bytes at w = 8, head_dim = 64
 grid is computed in float32 and the key codes against it, with zero still at or below the min and
 ``zero + 3 * scale`` at or above the max, so the ``scale / 2`` bound holds for the decoded scale.
 
-Hadamard basis (``basis="hadamard"``, ours; the paper quantizes in the channel basis): keys and
-values are quantized as ``x @ H``, with ``H`` an orthonormal, symmetric Walsh-Hadamard matrix
+Hadamard basis (``basis="hadamard"``, ours; the paper quantizes in the channel basis; ``"hadamard_keys"``
+rotates the keys only): keys and values are quantized as ``x @ H``, with ``H`` an orthonormal, symmetric Walsh-Hadamard matrix
 (block-diagonal with the largest power-of-two block dividing head_dim), and dequantized back as
 ``x' @ H``. The rotation spreads a token's outlier channels over all channels, so the per-token value
 grid is finer, and evens out the per-channel key ranges, before the same 2-bit grids apply. The
@@ -110,7 +110,7 @@ def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 KEY_GRIDS = ("fp16", "int8")
-INT2_BASES = ("channel", "hadamard")
+INT2_BASES = ("channel", "hadamard", "hadamard_keys")
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -131,11 +131,13 @@ def hadamard_basis(head_dim: int, device: torch.device | str = "cpu") -> torch.T
     return found
 
 
-def int2_basis(name: str, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """The matrix INT2 windows of basis ``name`` are quantized in (None: the channel basis)."""
+def int2_basis(name: str, head_dim: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(keys', values') matrices INT2 windows of basis ``name`` are quantized in (None: the channel
+    basis): ``"hadamard"`` rotates both, ``"hadamard_keys"`` the keys only."""
     if name not in INT2_BASES:
         raise ValueError(f"basis must be one of {INT2_BASES}, got {name!r}")
-    return hadamard_basis(head_dim, device) if name == "hadamard" else None
+    h = hadamard_basis(head_dim, device) if name != "channel" else None
+    return h, (h if name == "hadamard" else None)
 _GRID_LEVELS = 255
 
 

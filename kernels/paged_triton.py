@@ -239,7 +239,7 @@ def paged_decode_sources_triton(
     scaling: float | None,
     validate: bool = False,
     tile: int = 64,
-    bases: list[torch.Tensor | None] | None = None,
+    bases: list[tuple[torch.Tensor | None, torch.Tensor | None] | None] | None = None,
 ) -> torch.Tensor:
     """Decode attention over several paged sources of one layer in ONE softmax.
 
@@ -250,25 +250,26 @@ def paged_decode_sources_triton(
     partial (max, sum, values) of all sources are merged in float32. Returns [B, Hq, D] in the
     query dtype.
 
-    ``bases[i]`` (an orthonormal [D, D] float32 matrix R, or None): source i stores keys and values
-    as ``x @ R`` (INT2 windows quantized in a rotated basis). It is attended with the query
-    ``q @ R`` (float32), since ``q . k = (q R) . (k R)``, and its partial values are rotated back
-    by ``R.T`` before the merge; the softmax max and sum do not depend on the basis.
+    ``bases[i]`` (None, or a pair (Rk, Rv) of orthonormal [D, D] float32 matrices, each possibly
+    None): source i stores keys as ``k @ Rk`` and values as ``v @ Rv`` (INT2 windows quantized in a
+    rotated basis). It is attended with the query ``q @ Rk`` (float32), since
+    ``q . k = (q Rk) . (k Rk)``, and its partial values are rotated back by ``Rv.T`` before the
+    merge; the softmax max and sum do not depend on the value basis.
     """
     if bases is not None and len(bases) != len(sources):
         raise ValueError(f"bases: one entry (matrix or None) per source, got {len(bases)} for {len(sources)} sources")
     accs, ms, ls = [], [], []
     for i, source in enumerate(sources):
-        basis = bases[i] if bases is not None else None
+        key_basis, value_basis = (bases[i] if bases is not None else None) or (None, None)
         key_pool, value_pool, block_table, lengths = source[:4]
         int2 = source[4] if len(source) > 4 else None
         shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
         if int2 is not None:
             check_int2_store(shape, query.device, *int2[:8], validate, int2[8] if len(int2) > 8 else None)
-        q = query if basis is None else query.float() @ basis
+        q = query if key_basis is None else query.float() @ key_basis
         acc, m, l = _partials(q, shape, key_pool, value_pool, block_table, lengths, int2, scaling, None, tile)
-        if basis is not None:
-            acc = acc @ basis.T
+        if value_basis is not None:
+            acc = acc @ value_basis.T
         accs.append(acc), ms.append(m), ls.append(l)
     acc, m, l = torch.cat(accs, dim=1), torch.cat(ms, dim=1), torch.cat(ls, dim=1)
     top = m.max(dim=1, keepdim=True).values

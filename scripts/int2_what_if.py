@@ -15,9 +15,10 @@ the byte accounting on purpose (the reported ``kv_bytes`` then exceed the budget
         window, charged at the amortized bytes with --charge: whether key grids can be shared
     python scripts/int2_what_if.py --fit mse[-keys|-values] -- ...
         grids over the least-squares clipped range instead of min-max (same bytes)
-    python scripts/int2_what_if.py --hadamard keys|values|both -- ... (keys: cells with key_rope=pre)
+    python scripts/int2_what_if.py --hadamard keys|values|both -- ... (cells with basis=channel; keys: and key_rope=pre)
         quantize keys (after RoPE is undone) and/or values in a Walsh-Hadamard rotated basis and
-        rotate back after dequantizing (same bytes): whether spreading outlier channels helps
+        rotate back after dequantizing (same bytes): whether spreading outlier channels helps. Run
+        in session 9 before ``basis="hadamard"`` existed; on a Hadamard-basis cache it would undo it
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _exact(part: str) -> None:
     """INT2 entries attended with their original FP copies (spill tier on, host copies read back)."""
     import vlm_kv.api as api
     from vlm_kv.int2_tier import Int2Tier, TierView
-    from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values
+    from vlm_kv.kernels.int2 import dequantize_values
     from vlm_kv.storage import PaddedView
 
     tier_config = api._tier_config
@@ -59,11 +60,11 @@ def _exact(part: str) -> None:
         if part in ("keys", "both"):
             keys = self.spill.keys.index_select(0, host).to(self.device)
         else:
-            keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx))
+            keys = self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx])
         if part in ("values", "both"):
             values = self.spill.values.index_select(0, host).to(self.device)
         else:
-            values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx])
+            values = self._out_of_value_basis(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]))
         keys = self._lay(layout, keys, 0, dtype)
         values = self._lay(layout, values, 0, dtype) if with_values else keys[..., :0]
         padded = PaddedView(keys=keys, values=values, positions=layout["positions"], modality=layout["modality"],

@@ -22,7 +22,7 @@ def load(folder: str) -> dict:
 def _label(folder: str) -> str:
     """``docs/tiers/s8_bf16_untiered`` -> ``bf16``."""
     name = Path(folder).name
-    for cut in ("s8_", "_untiered", "_tiered"):
+    for cut in ("s8_", "s9_", "_untiered", "_tiered"):
         name = name.replace(cut, "")
     return name
 

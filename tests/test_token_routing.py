@@ -196,11 +196,15 @@ def test_dbtrimkv_tiers_choose_fp_by_entries_by_default_and_other_policies_by_wi
     assert (plain.fp_unit, plain.int2_share) == ("window", 0.7)
     qevict = vlm_kv.make_cache(model, policy="qevict", budget=0.2).tiers
     assert (qevict.fp_unit, qevict.key_grid, qevict.int2_share) == ("window", "int8", 0.9)
-    paper = vlm_kv.make_cache(model, policy="qevict", budget=0.2, key_grid="fp16", int2_share=0.7).tiers
-    assert (paper.key_grid, paper.int2_share) == ("fp16", 0.7)
-    # the compact key grid is every tiered cache's default but KIVI-2's, which keeps KIVI's fp16 grid
-    assert (plain.key_grid, tiers.key_grid) == ("int8", "int8")
-    assert vlm_kv.make_cache(model, policy="kivi2", budget=1.0).tiers.key_grid == "fp16"
+    paper = vlm_kv.make_cache(model, policy="qevict", budget=0.2, key_grid="fp16", int2_share=0.7,
+                              basis="channel").tiers
+    assert (paper.key_grid, paper.int2_share, paper.basis) == ("fp16", 0.7, "channel")
+    # the compact key grid and the Hadamard basis are every tiered cache's default but KIVI-2's, which
+    # keeps KIVI's fp16 grid in the channel basis
+    assert (plain.key_grid, tiers.key_grid, qevict.key_grid) == ("int8", "int8", "int8")
+    assert (plain.basis, tiers.basis, qevict.basis) == ("hadamard", "hadamard", "hadamard")
+    kivi = vlm_kv.make_cache(model, policy="kivi2", budget=1.0).tiers
+    assert (kivi.key_grid, kivi.basis) == ("fp16", "channel")
 
 
 def test_the_int2_share_follows_the_budget_fraction_of_each_sequence(monkeypatch):

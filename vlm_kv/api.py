@@ -102,9 +102,10 @@ def make_cache(
     key_grid: with tiers, how an INT2 window stores its keys' per-channel scale and zero: "fp16"
         (the paper's) or "int8" (8-bit codes of both against three fp16 references per window:
         422 instead of 544 bytes a window at w 8, head_dim 64; see docs/tiers.md).
-    basis: with tiers, quantize INT2 windows in the "channel" basis (the paper's) or after a
-        Walsh-Hadamard rotation of keys and values ("hadamard": same bytes, spreads outlier
-        channels; the kernels rotate the query and the INT2 output instead of the entries).
+    basis: with tiers, quantize INT2 windows after a Walsh-Hadamard rotation of keys and values
+        ("hadamard", the default except for kivi2: same bytes, spreads outlier channels; the kernels
+        rotate the query and the INT2 output instead of the entries) or as stored ("channel", the
+        paper's).
     """
     budget = Budget.parse(budget)
     key = normalize_policy_name(policy)

@@ -159,14 +159,13 @@ class CompressedLayer(CacheLayerMixin):
                 torch.full((rows,), T, dtype=torch.int32, device=dev))
         int2 = self.tier.kernel_pools()
         q = query[:, :, 0].contiguous()
-        basis = self.tier.basis
-        if basis is None:
+        if not self.tier.rotated:
             out = paged_decode_sources_triton(q, [body + (int2,), tail], scaling)
         else:  # rotated INT2 windows: their own source, read with the rotated query
             none = store.body_keys.new_zeros(0, 1, d)
             int2_only = (none, none, torch.zeros(rows, 1, dtype=torch.int32, device=dev),
                          torch.zeros(rows, dtype=torch.int32, device=dev), int2)
-            out = paged_decode_sources_triton(q, [body, int2_only, tail], scaling, bases=[None, basis, None])
+            out = paged_decode_sources_triton(q, [body, int2_only, tail], scaling, bases=[None, (self.tier.key_basis, self.tier.value_basis), None])
         return out.view(b, 1, hq, d)
 
     def num_entries(self) -> int:

@@ -34,9 +34,10 @@ def add_tier_args(p: argparse.ArgumentParser, window: bool = True) -> None:
     p.add_argument("--key-grid", choices=("fp16", "int8"), default=None,
                    help="with --tiers: the keys' per-channel scale/zero of an INT2 window in fp16 (the paper's) or "
                         "as 8-bit codes (int8, the default: a window 22%% cheaper at w 8, head_dim 64)")
-    p.add_argument("--int2-basis", dest="basis", choices=("channel", "hadamard"), default=None,
-                   help="with --tiers: quantize INT2 windows per channel as stored (the paper's) or after a "
-                        "Walsh-Hadamard rotation of keys and values (same bytes)")
+    p.add_argument("--int2-basis", dest="basis", choices=("hadamard", "hadamard_keys", "channel"), default=None,
+                   help="with --tiers: quantize INT2 windows after a Walsh-Hadamard rotation of keys and values "
+                        "(hadamard, the default: same bytes), of the keys only (hadamard_keys) or per channel as "
+                        "stored (channel, the paper's)")
 
 
 def tier_kwargs(args: argparse.Namespace, window: bool = True) -> dict[str, Any]:

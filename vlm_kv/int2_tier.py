@@ -222,8 +222,8 @@ class Int2Tier:
         self.state_names = tuple(state_names)
         self.rope = rope  # a KeyRotation when keys are quantized pre-RoPE, else None
         self.key_grid = key_grid
-        # [D, D] orthonormal matrix the windows are quantized in (Hadamard), None for the channel basis
-        self.basis = int2_basis(basis, head_dim, device)
+        # [D, D] orthonormal matrices keys and values are quantized in (Hadamard), None for the channel basis
+        self.key_basis, self.value_basis = int2_basis(basis, head_dim, device)
         self.codes = QuantizedWindows.empty(window, head_dim, device, key_grid)
         self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
         self.window_id = torch.empty(0, dtype=torch.long, device=device)  # position // w
@@ -341,32 +341,34 @@ class Int2Tier:
 
     def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedWindows:
         """Codes of windows [n, w, D] (keys already pre-RoPE when ``rope`` is set), in the tier's basis."""
-        return QuantizedWindows.quantize(self._into_basis(keys), self._into_basis(values), self.key_grid)
+        return QuantizedWindows.quantize(_into(keys, self.key_basis), _into(values, self.value_basis), self.key_grid)
 
     def dequantize(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE, as attended) and values [len(idx), w, D] of ledger windows ``idx``, model dtype."""
         c = self.codes
         keys = self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx])
-        values = self._out_of_basis(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]))
+        values = _out_of(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]), self.value_basis)
         return keys.to(self.dtype), values.to(self.dtype)
 
-    def _into_basis(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.basis is None else x.float() @ self.basis
+    @property
+    def rotated(self) -> bool:
+        return self.key_basis is not None or self.value_basis is not None
 
-    def _out_of_basis(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.basis is None else x @ self.basis.T
+    def _out_of_value_basis(self, values: torch.Tensor) -> torch.Tensor:
+        return _out_of(values, self.value_basis)
 
     def _decode_keys(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
-        keys = self._out_of_basis(dequantize_keys(codes, scale, zero))
+        keys = _out_of(dequantize_keys(codes, scale, zero), self.key_basis)
         return keys if self.rope is None else self.rope.rotate(keys, positions)
 
     def kernel_pools(self) -> tuple[torch.Tensor, ...]:
         """The INT2 tuple the Triton kernels read: codes, scales, zeros, window table and counts,
         then the attended-slot mask when a window has a hole. A compact key grid reaches the kernels
         decoded (float32 scale and zero, rebuilt per call so that the cache holds only the codes).
-        With a Hadamard ``basis`` the codes are of rotated keys and values: the kernel must attend
-        them with the query times ``basis`` and multiply their output by ``basis.T``."""
+        With a Hadamard basis the codes are of rotated keys (``key_basis``) and values (``value_basis``):
+        the kernel must attend them with the query times ``key_basis`` and multiply their output by
+        ``value_basis.T``."""
         c = self.codes
         pools = (c.key_codes, *c.key_grid(), c.value_codes, c.value_scale, c.value_zero, *self.window_table())
         mask = self._layout()["slot_mask"]
@@ -381,7 +383,7 @@ class Int2Tier:
         keys = self._lay(layout, self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx]), 0, dtype)
         if with_values:
             values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx])
-            values = self._lay(layout, self._out_of_basis(values), 0, dtype)
+            values = self._lay(layout, _out_of(values, self.value_basis), 0, dtype)
         else:
             values = keys[..., :0]
         view = PaddedView(
@@ -457,6 +459,14 @@ class Int2Tier:
         self._num_active *= repeats
         self._layout_cache = None
         self.batch_size *= repeats
+
+
+def _into(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    return x if basis is None else x.float() @ basis
+
+
+def _out_of(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    return x if basis is None else x @ basis.T
 
 
 @dataclass

@@ -35,7 +35,7 @@ def test_triton_decode_with_a_full_budget_matches_dynamic_cache(triton_kernels):
 
 @pytest.mark.parametrize("fp_unit, key_grid, basis", [("window", "fp16", "channel"), ("token", "fp16", "channel"),
                                                      ("token", "int8", "channel"), ("token", "int8", "hadamard"),
-                                                     ("window", "fp16", "hadamard")])
+                                                     ("window", "fp16", "hadamard"), ("token", "int8", "hadamard_keys")])
 def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kernels, monkeypatch, fp_unit, key_grid,
                                                                      basis):
     # token: windows with holes, read with a slot mask; int8: the compact key grid, decoded for the kernel;
@@ -61,7 +61,7 @@ def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kern
                                   scorer_kwargs={"window": 4}, attention_backend=backend, fp_unit=fp_unit,
                                   key_grid=key_grid, basis=basis)
         runs[backend] = model.generate(**kwargs, cache=cache)
-        assert (cache.layers[0].tier.basis is not None) == (basis == "hadamard")
+        assert cache.layers[0].tier.rotated == (basis != "channel")
         held[backend] = cache.stats()["per_tier"]
         if fp_unit == "token":
             assert not all(layer.tier.windows_full for layer in cache.layers)  # holes reached the kernel

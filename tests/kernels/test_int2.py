@@ -192,8 +192,11 @@ def test_hadamard_basis_is_orthonormal_symmetric_and_block_diagonal(head_dim, bl
 
 
 def test_int2_basis_names():
-    assert int2_basis("channel", 64) is None
-    assert torch.equal(int2_basis("hadamard", 64), hadamard_basis(64))
+    assert int2_basis("channel", 64) == (None, None)
+    keys, values = int2_basis("hadamard", 64)
+    assert torch.equal(keys, hadamard_basis(64)) and torch.equal(values, hadamard_basis(64))
+    keys, values = int2_basis("hadamard_keys", 64)
+    assert torch.equal(keys, hadamard_basis(64)) and values is None
     with pytest.raises(ValueError, match="basis must be one of"):
         int2_basis("pca", 64)
 

@@ -122,7 +122,7 @@ def test_sources_with_a_rotated_basis_attend_the_rotated_back_entries(triton_ker
     int2 = random_int2_store(4, 32, [3, 0, 2, 5], window=8, device=DEVICE)
     h = hadamard_basis(32, DEVICE)
     sources = [tuple(fp[k] for k in FP_KEYS[1:]), tuple(none[k] for k in FP_KEYS[1:]) + (tuple(int2[k] for k in INT2_KEYS),)]
-    out = triton_kernels.paged_decode_sources_triton(fp["query"], sources, 0.3, bases=[None, h], tile=16)
+    out = triton_kernels.paged_decode_sources_triton(fp["query"], sources, 0.3, bases=[None, (h, h)], tile=16)
     q = fp["query"].float().cpu()
     ref = torch.zeros_like(q)
     for r in range(4):
@@ -137,4 +137,4 @@ def test_sources_with_a_rotated_basis_attend_the_rotated_back_entries(triton_ker
     assert out.dtype == dtype
     assert torch.allclose(out.float().cpu(), ref, **TOL[dtype]), (out.float().cpu() - ref).abs().max()
     with pytest.raises(ValueError, match="one entry .* per source"):
-        triton_kernels.paged_decode_sources_triton(fp["query"], sources, 0.3, bases=[h])
+        triton_kernels.paged_decode_sources_triton(fp["query"], sources, 0.3, bases=[(h, h)])

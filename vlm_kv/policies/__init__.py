@@ -79,7 +79,8 @@ POLICIES: dict[str, PolicySpec] = {
                          default_tiers={"int2_share": 0.9}),
     "kivi2": PolicySpec(KIVI2Scorer, QuantizeEverything,
                         "everything but sinks and a recent residual in INT2, nothing evicted (KIVI-2)",
-                        default_tiers={"quantize_all": True, "window": 32, "key_grid": "fp16"}),  # KIVI's fp16 grid
+                        default_tiers={"quantize_all": True, "window": 32, "key_grid": "fp16",
+                                       "basis": "channel"}),  # KIVI's fp16 grid, channel basis
 }
 
 FULL_POLICY = "full"
