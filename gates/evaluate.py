@@ -8,7 +8,7 @@
 
 A cell is ``LABEL:POLICY:BUDGET[:key=value,...]``; keys: ``gates`` (folder), ``num_sinks`` and
 ``recent_ratio`` (scorer), ``log_alpha`` (threshold allocation), ``min_per_head`` (global
-allocation), ``tiers``, ``int2_share``, ``int2_value``, ``window``, ``fp_unit`` and ``key_grid`` (recoverable INT2 tiers, as
+allocation), ``tiers``, ``int2_share``, ``int2_value``, ``window``, ``fp_unit``, ``key_grid``, ``key_rope`` and ``basis`` (recoverable INT2 tiers, as
 ``make_cache`` takes them). ``--dtype bfloat16`` runs the model and every cache in bf16 (budgets
 are fractions of the full cache in that dtype). Each finished cell is appended to ``--out``
 as one JSON line (with kl, top1, nll, full_nll, bytes) and skipped when the file already

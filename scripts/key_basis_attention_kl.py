@@ -6,7 +6,9 @@ averaged over layers, heads and the last 128 queries, KL(softmax(q k) || softmax
 ``channel`` (as stored), ``pre`` (RoPE undone first), ``hadamard`` (k @ H), ``pca`` (per kv head,
 the eigenbasis of within-window key deviations on a second passage), ``pre_hadamard``, and
 ``channel_bias`` (the channel basis with the expected exp-bias of uniform rounding noise,
-sum_d (q_d s_d / 2)^2 / 6, subtracted from each quantized logit).
+sum_d (q_d s_d / 2)^2 / 6, subtracted from each quantized logit). For values it reports the relative
+squared error of the attention output (exact weights, the same positions' values quantized per token)
+in the channel and the Hadamard basis, per layer and averaged.
 
     python scripts/key_basis_attention_kl.py --text ../shared/data/text/pg84.txt --offset 100000 --calib-offset 200000
 """
@@ -27,7 +29,7 @@ def _capture(model, tok, text: str, offset: int, length: int) -> list[tuple[torc
     got = []
 
     def capture(module, query, key, value, attention_mask, **kw):
-        got.append((query[0].float(), key[0].float()))
+        got.append((query[0].float(), key[0].float(), value[0].float()))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register("capture_qk", capture)
@@ -39,7 +41,7 @@ def _capture(model, tok, text: str, offset: int, length: int) -> list[tuple[torc
 
 
 def main() -> None:
-    from vlm_kv.kernels.int2 import dequantize_keys, hadamard_basis, quantize_keys
+    from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values, hadamard_basis, quantize_keys, quantize_values
     from vlm_kv.rope_keys import KeyRotation
     from vlm_kv.smollm2 import load_smollm2
 
@@ -71,7 +73,8 @@ def main() -> None:
 
     schemes = ("channel", "pre", "hadamard", "pca", "pre_hadamard", "channel_bias")
     total = dict.fromkeys(schemes, 0.0)
-    for (q, k), (qc, kc) in zip(cap, calib):
+    value_error = {"channel": [], "hadamard": []}
+    for (q, k, v), (qc, kc, _) in zip(cap, calib):
         q = q[:, -n_q:]
         hk, d = k.shape[0], k.shape[-1]
         g = q.shape[0] // hk
@@ -81,6 +84,13 @@ def main() -> None:
         dev = (dev - dev.mean(2, keepdim=True)).reshape(hk, -1, d)
         pca = torch.stack([torch.linalg.eigh(x.T @ x).eigenvectors for x in dev])  # [hk, d, d] columns = basis
         ref = softmax(q @ k.repeat_interleave(g, 0).transpose(1, 2) * scale)
+        out = ref @ v.repeat_interleave(g, 0)
+        for name, basis in (("channel", torch.eye(d)), ("hadamard", hmat)):
+            vq = v.clone()
+            win = v[:, region].reshape(-1, w, d) @ basis
+            vq[:, region] = (dequantize_values(*quantize_values(win)) @ basis.T).view(hk, -1, d)
+            err = ((ref @ vq.repeat_interleave(g, 0) - out) ** 2).sum() / (out ** 2).sum()
+            value_error[name].append(round(float(err), 5))
         reg = k[:, region]
         for name in schemes:
             kq = k.clone()
@@ -102,7 +112,9 @@ def main() -> None:
             logits = q @ kq.repeat_interleave(g, 0).transpose(1, 2) * scale
             total[name] += kl(ref, softmax(logits if bias is None else logits - bias)) / len(cap)
     print(json.dumps({"text": args.text.split("/")[-1], "offset": args.offset, "calib_offset": args.calib_offset,
-                      "attention_kl": {k: round(v, 5) for k, v in total.items()}}))
+                      "attention_kl": {k: round(v, 5) for k, v in total.items()},
+                      "value_output_error_mean": {k: round(sum(e) / len(e), 5) for k, e in value_error.items()},
+                      "value_output_error_per_layer": value_error}))
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(f
                  torch.ones(B, 1, dtype=torch.bool))
     out = layer.attend(query, 0.25)  # [B, 1, Hq, D]
     fp = store.padded_view()
-    keys, values = layer.tier.codes.dequantize(torch.float32)
+    keys, values = layer.tier.dequantize(torch.arange(len(layer.tier)))  # out of the Hadamard basis
+    assert layer.tier.rotated  # the default basis
     for b in range(B):
         for qh in range(hq):
             h = qh // (hq // H)

@@ -74,8 +74,8 @@ POLICIES: dict[str, PolicySpec] = {
     "polykv": PolicySpec(PolyKV, PolyKVAllocation, "per-layer, per-phase patterns and budget shares from a calibrated strategy",
                          needs_strategy=True, tierable=False),
     "qevict": PolicySpec(QEvictScorer, Uniform, "H2O window mass routing windows to FP / INT2 / evicted (QEvict)",
-                         # the paper's recipe is key_grid="fp16", int2_share=0.7; with the compact grid a
-                         # larger INT2 share wins on four pg84 passages at 0.05 and 0.1 (docs/tiers.md, session 8)
+                         # the paper's recipe is key_grid="fp16", int2_share=0.7, basis="channel"; with the compact
+                         # grid a larger INT2 share wins on four pg84 passages at 0.05 and 0.1 (docs/tiers.md, session 8)
                          default_tiers={"int2_share": 0.9}),
     "kivi2": PolicySpec(KIVI2Scorer, QuantizeEverything,
                         "everything but sinks and a recent residual in INT2, nothing evicted (KIVI-2)",
