@@ -144,3 +144,35 @@ def test_decode_over_a_small_ragged_store_equals_the_split_softmax(monkeypatch):
     full_keep = torch.cat([keep.expand(2, 2, 20), torch.ones(2, 2, 2, dtype=torch.bool)], dim=2)
     ref = _reference(query, torch.cat([k, new_k], 2), torch.cat([v, new_v], 2), full_keep, torch.tensor([21]), torch.arange(22))
     torch.testing.assert_close(small, ref, rtol=1e-5, atol=1e-6)
+
+
+def _random_view(b, h, length, d, gen, valid_p=0.7):
+    from vlm_kv.storage import PaddedView
+
+    valid = torch.rand(b, h, length, generator=gen) < valid_p
+    return PaddedView(keys=torch.randn(b, h, length, d, generator=gen), values=torch.randn(b, h, length, d, generator=gen),
+                      positions=torch.randint(0, 40, (b, h, length), generator=gen), modality=torch.zeros(b, h, length, dtype=torch.uint8),
+                      valid=valid, state={})
+
+
+def test_rotated_tier_attention_equals_one_softmax_over_the_rotated_back_entries():
+    from vlm_kv.attention import rotated_tier_attention
+    from vlm_kv.kernels.int2 import hadamard_basis
+    from vlm_kv.storage import PaddedView
+    from vlm_kv.tier_router import merge_views
+
+    gen = torch.Generator().manual_seed(3)
+    fp, tier = _random_view(2, 2, 9, 16, gen), _random_view(2, 2, 12, 16, gen)
+    fp.valid[1, 0] = False  # a row whose FP entries are all gone
+    tier.valid[1, 1] = False  # a row with no INT2 entries
+    h = hadamard_basis(16)
+    query = torch.randn(2, 6, 1, 16, generator=gen)  # 3 query heads per kv head
+    q_pos = torch.tensor([30])
+    for key_basis, value_basis in ((h, h), (h, None), (None, None)):
+        back = PaddedView(keys=tier.keys @ h.T if key_basis is not None else tier.keys,
+                          values=tier.values @ h.T if value_basis is not None else tier.values,
+                          positions=tier.positions, modality=tier.modality, valid=tier.valid, state={})
+        merged, _ = merge_views(fp, back, sort=False)
+        ref = varlen_attention(query, merged, q_pos, 0.3)
+        out = rotated_tier_attention(query, fp, tier, key_basis, value_basis, q_pos, 0.3)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

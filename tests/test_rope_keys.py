@@ -69,6 +69,8 @@ def test_pre_rope_keys_in_the_hadamard_basis_come_back_within_the_grid_bound():
         model(input_ids=tokens[:, :80], past_key_values=full, use_cache=True)
     tier = cache.layers[0].tier
     assert tier.num_active > 0 and tier.rotated and not tier.kernel_readable
+    with pytest.raises(ValueError, match="in_basis=True needs post-RoPE codes"):
+        tier.view(in_basis=True)  # pre-RoPE keys cannot be attended with a rotated query alone
     idx = torch.arange(len(tier))
     keys, _ = tier.dequantize(idx)  # back in the model's space: out of the basis, RoPE applied again
     scale, _ = tier.codes.key_grid(idx)

@@ -372,3 +372,29 @@ def test_chunked_prefill_routes_after_every_chunk_within_budget():
     full = feed_tokens(model, DynamicCache(config=model.config), tokens, 96)
     whole = vlm_kv.make_cache(model, policy="qevict", budget=1.0, prefill_chunk=32)
     torch.testing.assert_close(feed_tokens(model, whole, tokens, 96)[:, -8:], full[:, -8:], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(monkeypatch):
+    """The torch decode path attends Hadamard windows with q @ H (no per-entry rotation): same logits."""
+    from vlm_kv.int2_tier import Int2Tier
+
+    model = tiny_model("llama")
+    tokens = random_tokens(64 + 24, vocab=model.config.vocab_size)
+    calls = []
+    rotated = vlm_kv.attention.rotated_tier_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return rotated(*args, **kwargs)
+
+    monkeypatch.setattr(vlm_kv.attention, "rotated_tier_attention", counted)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
+    fast = feed_tokens(model, cache, tokens, 64)
+    assert calls and cache.layers[0].tier.rotated and cache.stats()["per_tier"]["int2_windows"] > 0
+    # the reference: the same windows, every entry rotated back and attended in the merged view
+    monkeypatch.setattr(Int2Tier, "rotated", property(lambda self: False))
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
+    n = len(calls)
+    slow = feed_tokens(model, cache, tokens, 64)
+    assert len(calls) == n
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)

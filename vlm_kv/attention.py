@@ -141,6 +141,47 @@ def varlen_attention(
     return out.view(b, hq, q, d).transpose(1, 2)
 
 
+def rotated_tier_attention(
+    query: torch.Tensor,
+    fp: PaddedView,
+    tier: PaddedView,
+    key_basis: torch.Tensor | None,
+    value_basis: torch.Tensor | None,
+    query_positions: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One softmax of ``query`` [B, Hq, Q, D] over FP entries (``fp``) and INT2 entries left in the
+    basis they were quantized in (``tier``: keys ``k @ key_basis``, values ``v @ value_basis``);
+    returns [B, Q, Hq, D]. The INT2 logits use ``q @ key_basis`` and their weighted values are
+    rotated back by ``value_basis.T`` once, instead of rotating every entry (as the Triton kernel
+    does). Float32 throughout; meant for decode (the logits are materialized)."""
+    b, hq, q, d = query.shape
+    h = fp.keys.shape[1]
+    g = hq // h
+    scale = scaling if scaling is not None else d ** -0.5
+
+    def visible(view: PaddedView) -> torch.Tensor:
+        mask = view.valid[:, :, None, :] & (view.positions[:, :, None, :] <= query_positions.view(1, 1, -1, 1))
+        return mask[:, :, None].expand(b, h, g, q, view.length).reshape(b, h, g * q, view.length)
+
+    seen_fp, seen_q = visible(fp), visible(tier)
+    # a query with nothing visible (padding) sees every FP slot: finite garbage, never read
+    seen_fp = seen_fp | ~(seen_fp.any(-1, keepdim=True) | seen_q.any(-1, keepdim=True))
+    packed = _pack_gqa(query, h).float()
+    rotated = packed if key_basis is None else packed @ key_basis
+    logits = torch.cat([
+        (packed @ fp.keys.float().transpose(-1, -2) * scale).masked_fill_(~seen_fp, float("-inf")),
+        (rotated @ tier.keys.float().transpose(-1, -2) * scale).masked_fill_(~seen_q, float("-inf")),
+    ], dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    split = fp.length
+    out_q = probs[..., split:] @ tier.values.float()
+    if value_basis is not None:
+        out_q = out_q @ value_basis.T
+    out = probs[..., :split] @ fp.values.float() + out_q
+    return out.view(b, hq, q, d).transpose(1, 2).to(query.dtype)
+
+
 #: decode over at most this many entries per head (uniform stores) runs as one SDPA call on a copy.
 #: Measured per call (one thread, 3 KV heads, 9 query heads, D 64): 69 vs 212 us at 59 entries,
 #: 155 vs 207 us at 508, level at 827 (noise +-20 %); ragged stores: ~105 vs ~140 us at 177 entries,

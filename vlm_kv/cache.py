@@ -129,6 +129,12 @@ class CompressedLayer(CacheLayerMixin):
         if (query.shape[2] == 1 and self.cache.use_triton_decode(query) and self.store.tail_all_valid
                 and self.tier.kernel_readable and not scorer.observes):
             return self._attend_tiered_triton(query, scaling)
+        if query.shape[2] == 1 and self.tier.rotated and self.tier.rope is None and not scorer.observes:
+            # rotate the query and the INT2 output, not every INT2 entry (as the kernel does)
+            fp = self.store.padded_view(with_values=True)
+            tv = self.tier.view(with_values=True, dtype=torch.float32, in_basis=True)
+            return attention.rotated_tier_attention(query, fp, tv.view, self.tier.key_basis, self.tier.value_basis,
+                                                    query_positions, scaling)
         fp = self.store.padded_view(with_values=True)
         tv = self.tier.view(with_values=True, dtype=query.dtype)
         view, _ = merge_views(fp, tv.view, sort=False)

@@ -374,16 +374,25 @@ class Int2Tier:
         mask = self._layout()["slot_mask"]
         return pools if mask is None else pools + (mask,)
 
-    def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None) -> TierView:
-        """Active windows dequantized, per row in window order, left aligned ([B, H, Lq])."""
+    def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None,
+             in_basis: bool = False) -> TierView:
+        """Active windows dequantized, per row in window order, left aligned ([B, H, Lq]).
+        ``in_basis``: keys and values left in the basis they were quantized in (post-RoPE keys only),
+        for attention that rotates the query instead (``vlm_kv.attention.rotated_tier_attention``)."""
+        if in_basis and self.rope is not None:
+            raise ValueError("in_basis=True needs post-RoPE codes: pre-RoPE keys must be rotated back per position")
         dtype = dtype or self.dtype
         layout = self._layout()
         idx = layout["idx"]
         c = self.codes
-        keys = self._lay(layout, self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx]), 0, dtype)
+        if in_basis:
+            keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx))
+        else:
+            keys = self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx])
+        keys = self._lay(layout, keys, 0, dtype)
         if with_values:
             values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx])
-            values = self._lay(layout, _out_of(values, self.value_basis), 0, dtype)
+            values = self._lay(layout, values if in_basis else _out_of(values, self.value_basis), 0, dtype)
         else:
             values = keys[..., :0]
         view = PaddedView(
