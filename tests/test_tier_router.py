@@ -126,10 +126,16 @@ def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once(key_g
     assert tier.counters.ledger_reuses >= 1 and tier.counters.promotions >= 1
 
 
-@pytest.mark.parametrize("fp_unit", ["window", "token"])  # token: INT2 windows with holes where entries are FP
-def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(fp_unit):
+# token: INT2 windows with holes where entries are FP; dbtrimkv's gates observe no attention, so its decode
+# attends the Hadamard windows with the rotated query (h2o's merged view rotates every entry back)
+@pytest.mark.parametrize("policy, fp_unit", [("h2o", "window"), ("h2o", "token"), ("dbtrimkv", "token")])
+def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(policy, fp_unit, monkeypatch):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2", fp_unit=fp_unit)
+    gates = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, tiers="int2", fp_unit=fp_unit, **gates)
+    calls = []
+    rotated = vlm_kv.attention.rotated_tier_attention
+    monkeypatch.setattr(vlm_kv.attention, "rotated_tier_attention", lambda *a: calls.append(1) or rotated(*a))
     tokens = random_tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # batch padding on the left
@@ -159,6 +165,7 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(f
             k, v = torch.cat(k), torch.cat(v)
             ref = F.scaled_dot_product_attention(query[b, qh, None, None], k[None, None], v[None, None], scale=0.25)
             torch.testing.assert_close(out[b, 0, qh], ref[0, 0, 0], rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (policy == "dbtrimkv")
 
 
 @pytest.mark.parametrize("fp_unit", ["window", "token"])
