@@ -110,6 +110,7 @@ def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 KEY_GRIDS = ("fp16", "int8")
+_GRID_LEVELS = 255
 INT2_BASES = ("channel", "hadamard", "hadamard_keys")
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -138,7 +139,6 @@ def int2_basis(name: str, head_dim: int, device: torch.device | str = "cpu") -> 
         raise ValueError(f"basis must be one of {INT2_BASES}, got {name!r}")
     h = hadamard_basis(head_dim, device) if name != "channel" else None
     return h, (h if name == "hadamard" else None)
-_GRID_LEVELS = 255
 
 
 def _up16(x: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,7 @@ def paged_decode_sources_triton(
     merge; the softmax max and sum do not depend on the value basis.
     """
     if bases is not None and len(bases) != len(sources):
-        raise ValueError(f"bases: one entry (matrix or None) per source, got {len(bases)} for {len(sources)} sources")
+        raise ValueError(f"bases: one entry (a (key, value) basis pair or None) per source, got {len(bases)} for {len(sources)} sources")
     accs, ms, ls = [], [], []
     for i, source in enumerate(sources):
         key_basis, value_basis = (bases[i] if bases is not None else None) or (None, None)

@@ -42,6 +42,7 @@ def _charge(factor: float) -> None:
 def _exact(part: str) -> None:
     """INT2 entries attended with their original FP copies (spill tier on, host copies read back)."""
     import vlm_kv.api as api
+    import vlm_kv.int2_tier as tier_module
     from vlm_kv.int2_tier import Int2Tier, TierView
     from vlm_kv.kernels.int2 import dequantize_values
     from vlm_kv.storage import PaddedView
@@ -64,7 +65,8 @@ def _exact(part: str) -> None:
         if part in ("values", "both"):
             values = self.spill.values.index_select(0, host).to(self.device)
         else:
-            values = self._out_of_value_basis(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]))
+            values = tier_module._out_of(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]),
+                                          self.value_basis)
         keys = self._lay(layout, keys, 0, dtype)
         values = self._lay(layout, values, 0, dtype) if with_values else keys[..., :0]
         padded = PaddedView(keys=keys, values=values, positions=layout["positions"], modality=layout["modality"],

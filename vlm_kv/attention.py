@@ -97,9 +97,14 @@ def _take_pending(module: torch.nn.Module) -> Any:
     return layer
 
 
+def _visible(view: PaddedView, query_positions: torch.Tensor) -> torch.Tensor:
+    """[B, H, Q, L] bool: valid entries not in the query's future (rows may be all False)."""
+    return view.valid[:, :, None, :] & (view.positions[:, :, None, :] <= query_positions.view(1, 1, -1, 1))
+
+
 def attention_mask(view: PaddedView, query_positions: torch.Tensor) -> torch.Tensor:
     """[B, H, Q, L] bool: an entry is visible to a query if it is valid and not in its future."""
-    mask = view.valid[:, :, None, :] & (view.positions[:, :, None, :] <= query_positions.view(1, 1, -1, 1))
+    mask = _visible(view, query_positions)
     # Rows with nothing visible (padding queries) would give NaN; let them see everything: their
     # outputs are never read, and finite garbage cannot leak into real tokens.
     empty = ~mask.any(dim=-1, keepdim=True)
@@ -110,6 +115,12 @@ def _pack_gqa(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, Hq, Q, D] -> [B, H, g*Q, D]: the query heads of a group share their KV head's entries."""
     b, hq, q, d = query.shape
     return query.reshape(b, num_kv_heads, (hq // num_kv_heads) * q, d)
+
+
+def _gqa_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, H, Q, L] -> [B, H, g*Q, L], the layout of ``_pack_gqa``'s queries."""
+    b, h, q, length = mask.shape
+    return mask[:, :, None].expand(b, h, group, q, length).reshape(b, h, group * q, length)
 
 
 def varlen_attention(
@@ -133,10 +144,8 @@ def varlen_attention(
                 query, view.keys, view.values, is_causal=causal, scale=scaling, enable_gqa=hq != h
             )
             return out.transpose(1, 2)
-    mask = attention_mask(view, query_positions)  # [B, H, Q, L]
-    g = hq // h
+    mask = _gqa_mask(attention_mask(view, query_positions), hq // h)
     packed = _pack_gqa(query, h)
-    mask = mask[:, :, None].expand(b, h, g, q, view.length).reshape(b, h, g * q, view.length)
     out = F.scaled_dot_product_attention(packed, view.keys, view.values, attn_mask=mask, scale=scaling)
     return out.view(b, hq, q, d).transpose(1, 2)
 
@@ -157,15 +166,10 @@ def rotated_tier_attention(
     does). Float32 throughout; meant for decode (the logits are materialized)."""
     b, hq, q, d = query.shape
     h = fp.keys.shape[1]
-    g = hq // h
     scale = scaling if scaling is not None else d ** -0.5
-
-    def visible(view: PaddedView) -> torch.Tensor:
-        mask = view.valid[:, :, None, :] & (view.positions[:, :, None, :] <= query_positions.view(1, 1, -1, 1))
-        return mask[:, :, None].expand(b, h, g, q, view.length).reshape(b, h, g * q, view.length)
-
-    seen_fp, seen_q = visible(fp), visible(tier)
-    # a query with nothing visible (padding) sees every FP slot: finite garbage, never read
+    seen_fp = _gqa_mask(_visible(fp, query_positions), hq // h)
+    seen_q = _gqa_mask(_visible(tier, query_positions), hq // h)
+    # a query with nothing visible (padding) sees every FP slot, as in attention_mask
     seen_fp = seen_fp | ~(seen_fp.any(-1, keepdim=True) | seen_q.any(-1, keepdim=True))
     packed = _pack_gqa(query, h).float()
     rotated = packed if key_basis is None else packed @ key_basis

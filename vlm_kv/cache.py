@@ -37,6 +37,13 @@ from vlm_kv.tier_router import TierConfig, TierRouter, merge_views
 __all__ = ["CacheMisuseError", "CompressedCache", "CompressedLayer"]
 
 
+def _no_entries(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """A paged source holding nothing (one-entry blocks of ``like``'s dtype), for the decode kernel."""
+    none = like.new_zeros(0, 1, like.shape[-1])
+    zeros = torch.zeros(rows, dtype=torch.int32, device=like.device)
+    return none, none, zeros[:, None], zeros
+
+
 class CompressedLayer(CacheLayerMixin):
     """One decoder layer's compressed KV cache: its store, its recent queries, its attention."""
 
@@ -156,9 +163,7 @@ class CompressedLayer(CacheLayerMixin):
             table, lengths = store.body_table()
             body = (store.body_keys.view(-1, 1, d), store.body_values.view(-1, 1, d), table, lengths)
         else:
-            empty = store.body_keys.new_zeros(0, 1, d)
-            body = (empty, empty, torch.zeros(rows, 1, dtype=torch.int32, device=dev),
-                    torch.zeros(rows, dtype=torch.int32, device=dev))
+            body = _no_entries(store.body_keys, rows)
         cap, T = store.tail_capacity, store.tail_size
         tail_table = (torch.arange(rows, device=dev) * cap)[:, None] + torch.arange(T, device=dev)[None]
         tail = (store._tail_k.view(-1, 1, d), store._tail_v.view(-1, 1, d), tail_table.to(torch.int32),
@@ -168,10 +173,9 @@ class CompressedLayer(CacheLayerMixin):
         if not self.tier.rotated:
             out = paged_decode_sources_triton(q, [body + (int2,), tail], scaling)
         else:  # rotated INT2 windows: their own source, read with the rotated query
-            none = store.body_keys.new_zeros(0, 1, d)
-            int2_only = (none, none, torch.zeros(rows, 1, dtype=torch.int32, device=dev),
-                         torch.zeros(rows, dtype=torch.int32, device=dev), int2)
-            out = paged_decode_sources_triton(q, [body, int2_only, tail], scaling, bases=[None, (self.tier.key_basis, self.tier.value_basis), None])
+            bases = [None, (self.tier.key_basis, self.tier.value_basis), None]
+            int2_only = _no_entries(store.body_keys, rows) + (int2,)
+            out = paged_decode_sources_triton(q, [body, int2_only, tail], scaling, bases=bases)
         return out.view(b, 1, hq, d)
 
     def num_entries(self) -> int:

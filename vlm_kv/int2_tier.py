@@ -354,9 +354,6 @@ class Int2Tier:
     def rotated(self) -> bool:
         return self.key_basis is not None or self.value_basis is not None
 
-    def _out_of_value_basis(self, values: torch.Tensor) -> torch.Tensor:
-        return _out_of(values, self.value_basis)
-
     def _decode_keys(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         keys = _out_of(dequantize_keys(codes, scale, zero), self.key_basis)
