@@ -303,6 +303,7 @@ _PLUGGED_COMMANDS = (
     ("vlm_kv.eval.sweep_cli", ("sweep",)),
     ("vlm_kv.train.cli", ("train-gates",)),
     ("vlm_kv.calibrate_cli", ("calibrate",)),
+    ("vlm_kv.train.vlm_cli", ("train-vlm",)),
 )
 
 

