@@ -26,10 +26,11 @@ def test_scene_cells_name_what_is_drawn_there(index):
     assert len({o.colour for o in scene.objects}) == len(scene.objects) >= 2
     assert len({o.shape for o in scene.objects}) == len(scene.objects)
     for o in scene.objects:
-        words = [scene.cell_tokens[o.row][o.col + k] for k in range(4)]
+        words = [scene.cell_tokens[o.row + r][o.col + c] for r in (0, 1) for c in (0, 1)]
         assert words == [" " + o.colour, " " + o.shape, " " + o.horizontal, " " + o.vertical]
-        # the object's cell really holds its colour: the mean pixel there is close to it
-        cell = np.asarray(scene.image, float)[o.row * 16 + 4:o.row * 16 + 12, o.col * 16 + 4:o.col * 16 + 12]
+        assert T.MIDDLE - 1 not in (o.row, o.col)  # a block never straddles a middle line
+        # the object's block really holds its colour: the mean pixel at its centre is close to it
+        cell = np.asarray(scene.image, float)[o.row * 16 + 12:o.row * 16 + 20, o.col * 16 + 12:o.col * 16 + 20]
         centre = cell.reshape(-1, 3).mean(0)
         assert np.abs(centre - np.array(T.COLOURS[o.colour])).mean() < 45
     blank = sum(t == T.BLANK for r in scene.cell_tokens for t in r)
