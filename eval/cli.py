@@ -19,7 +19,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
 from vlm_kv.cli_options import add_tier_args, tier_kwargs
 
 __all__ = ["parse_budget", "register"]
@@ -203,7 +203,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True, help="cache policy for vlm_kv.make_cache ('full' = no compression)")
     p.add_argument("--strategy", default=None, help="strategy JSON for policy polykv")
     p.add_argument("--budget", type=parse_budget, required=True,
-                   help="fraction of the full cache (0.25) or tokens per KV head (256); 1 = whole cache")
+                   help=BUDGET_HELP)
     p.add_argument("--limit", type=int, default=None, help="first N problems only")
     p.add_argument("--out", default=None,
                    help="output folder (default runs/mathvision/<model>_<policy>_<budget>_<prompt>)")

@@ -16,7 +16,8 @@ From Python::
     lmms_eval.evaluator.simple_evaluate(model=lm, tasks=["mme"], batch_size=1)
 
 Model arguments: ``pretrained`` (local folder, required), ``policy`` (default ``snapkv``;
-``full`` = no compression), ``budget`` (fraction 0.1 or tokens per KV head 256; default 0.25),
+``full`` = no compression), ``budget`` (a fraction with a decimal point, 0.1 or 1.0, or an int >= 2,
+tokens per KV head, 256; a bare 1 is refused as ambiguous; default 0.25, and none for ``full``),
 ``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates``, ``strategy`` (polykv), ``tiers`` /
 ``int2_share`` / ``int2_value`` / ``window`` / ``key_rope`` / ``spill`` / ``fp_unit`` / ``key_grid`` / ``basis`` (passed to ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
 ``max_new_tokens`` (default when a task sets none), ``min_pixels`` / ``max_pixels`` (Qwen VL:
@@ -121,13 +122,13 @@ def parse_model_args(text: str) -> dict[str, str]:
 def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(load kwargs, ``make_cache`` kwargs) from model arguments (a string or lmms-eval's dict).
 
-    Values may be strings or already typed (lmms-eval converts numbers). The policy name is
-    checked; the budget's range is checked by ``make_cache`` when the first cache is built.
+    Values may be strings or already typed (lmms-eval converts numbers). The cache settings are
+    checked as ``make_cache`` checks them (``vlm_kv.api.check_cache_options``), before any model loads.
     Unknown keys are ignored with a warning.
     """
     raw = parse_model_args(args) if isinstance(args, str) else dict(args)
     load: dict[str, Any] = {k: DEFAULTS[k] for k in ("device", "dtype", "max_new_tokens")}
-    cache: dict[str, Any] = {"policy": DEFAULTS["policy"], "budget": DEFAULTS["budget"]}
+    cache: dict[str, Any] = {"policy": DEFAULTS["policy"]}
     unknown = []
     for key, value in raw.items():
         if value is None:
@@ -144,12 +145,16 @@ def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dic
                       f"known: {', '.join(_LOAD_ARGS + _CACHE_ARGS)}", RuntimeWarning, stacklevel=2)
     if not load.get("pretrained"):
         raise ValueError("vlm_kv lmms-eval model needs pretrained=PATH (a local Qwen2.5-VL or LLaVA folder)")
+    from vlm_kv.api import check_cache_options
     from vlm_kv.policies import FULL_POLICY, POLICIES
 
     policy = str(cache["policy"])
     if policy != FULL_POLICY and policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join([FULL_POLICY, *POLICIES])}")
     cache["policy"] = policy
+    # the full cache takes no budget; the others default to DEFAULTS["budget"]
+    cache.setdefault("budget", 1.0 if policy == FULL_POLICY else DEFAULTS["budget"])
+    check_cache_options(**cache)  # a bad budget or option fails here, before the model loads
     return load, cache
 
 

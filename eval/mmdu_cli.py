@@ -19,7 +19,7 @@ import os
 import sys
 from functools import partial
 
-from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
 from vlm_kv.loading import load_vlm  # module attribute: tests replace it
 
 
@@ -106,7 +106,7 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True, help="cache policy for vlm_kv.make_cache ('full' = no compression)")
     p.add_argument("--strategy", default=None, help="strategy JSON for policy polykv")
     p.add_argument("--budget", type=parse_budget, required=True,
-                   help="fraction of the full cache (0.25) or tokens per KV head (256); 1 = whole cache")
+                   help=BUDGET_HELP)
     p.add_argument("--limit", type=int, default=None, help="first N dialogs only")
     p.add_argument("--out", default=None, help="results folder (default runs/mmdu/<model>_<policy>_<budget>)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="per answer (the MMDU authors use 2048)")

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from vlm_kv.budget import budget_arg as parse_budget
+from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
 from vlm_kv.cli_options import add_tier_args, tier_kwargs
 
 __all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
@@ -51,6 +51,9 @@ def _policies(text: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown polic{'y' if len(bad) == 1 else 'ies'} {', '.join(bad)}; "
                                          f"known: {', '.join(known)}")
+    if FULL_POLICY in names:  # it takes no budget, and every table has it
+        raise argparse.ArgumentTypeError(f"'{FULL_POLICY}' is every sweep's reference row (budget 1.0); drop it "
+                                         "from --policies")
     return names
 
 
@@ -67,6 +70,11 @@ def _cache_kwargs(args) -> dict:
         if others:
             raise ValueError(f"--strategy is for policy 'polykv'; sweep {', '.join(others)} without it")
         kw["strategy"] = args.strategy
+    from vlm_kv.api import check_cache_options
+
+    for policy in args.policies:  # every cell's settings, before any model loads
+        for budget in getattr(args, "budgets", ()):
+            check_cache_options(policy, budget, **kw)
     return kw
 
 
@@ -196,7 +204,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="'smollm2' or a local model folder (a VLM folder for mathvision / mmdu)")
     p.add_argument("--policies", required=True, type=_policies, help="comma-separated policy names")
     p.add_argument("--budgets", required=True, type=_budgets,
-                   help="comma-separated budgets: fractions (0.1) or tokens per KV head (256)")
+                   help="comma-separated budgets, each " + BUDGET_HELP)
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps")
     p.add_argument("--gates", default=None, help="retention gates folder for trimkv / dbtrimkv")

@@ -186,6 +186,11 @@ class _LazyModel:
         _free_memory()
 
 
+def _options_for(policy: str, cache_kwargs: dict) -> dict:
+    """The sweep's cache options for one cell: the full-cache reference takes none (it compresses nothing)."""
+    return {} if policy == FULL_ROW[0] else cache_kwargs
+
+
 def _cell_dir(root: Path, policy: str, budget) -> Path:
     import json
 
@@ -231,7 +236,7 @@ class MathVisionTask:
             model, processor, self.problems, policy=policy, budget=budget, out_dir=folder,
             prompt_style=self.prompt_style, max_new_tokens=self.max_new_tokens,
             make_cache=lambda m, policy, budget, **kw: meter.make(m, policy, budget, **kw),
-            cache_kwargs=self.cache_kwargs, progress=self.progress,
+            cache_kwargs=_options_for(policy, self.cache_kwargs), progress=self.progress,
             config_extra={"model": self.model_name, "data": self.data},
         )
         n = summary.n_problems
@@ -299,7 +304,7 @@ class MMDUTask:
         meter = CacheMeter()
         generate_answers(
             model, processor, self.data, folder, policy=policy, budget=budget, max_new_tokens=self.max_new_tokens,
-            config={"model": self.model_name}, cache_factory=meter.make, cache_kwargs=self.cache_kwargs,
+            config={"model": self.model_name}, cache_factory=meter.make, cache_kwargs=_options_for(policy, self.cache_kwargs),
             progress=self.progress,
         )
         meter.close()

@@ -46,6 +46,32 @@ def test_empty_model_folder_says_no_model(shared_data, tmp_path, capsys, no_mode
     assert f"no model in {tmp_path}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, says", [
+    (("--continuation", "0"), "--continuation must be >= 1 token, got 0"),
+    (("--context", "0"), "--context must be >= 1 token, got 0"),
+    (("--offset", "10000000"), "--offset 10000000 is past the end"),
+    (("--offset", "-3"), "--offset must be >= 0"),
+    (("--policy", "kivi2"), "pass budget=1.0"),
+    (("--policy", "full"), "'full' is the uncompressed cache and keeps every token: it takes no budget"),
+    (("--budget", "1"), "budget 1 is ambiguous"),
+])
+def test_fidelity_checks_every_argument_before_the_model_loads(shared_data, capsys, no_model_load, extra, says):
+    text = shared_data / "text" / "pg84.txt"
+    args = dict(zip(["--policy", "--budget", "--context", "--continuation"], ["snapkv", "0.5", "64", "4"]))
+    args.update(zip(extra[::2], extra[1::2]))
+    argv = ["fidelity", "--model", "smollm2", "--text", str(text), *[x for kv in args.items() for x in kv]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_fidelity_needs_as_many_characters_as_tokens(tmp_path, capsys, no_model_load):
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only")
+    assert main(_fidelity(short, "--policy", "snapkv", "--budget", "0.5")) == 2
+    assert "has 16 characters, fewer than the 69 tokens needed" in capsys.readouterr().err
+
+
 def test_bench_checks_budgets_and_policies_before_timing(capsys, no_model_load):
     assert main(["bench", "--contexts", "64", "--budgets", "1.5"]) == 2
     assert "budget" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def _gates(family, kind):
 scenario = st.fixed_dictionaries({
     "family": st.sampled_from(FAMILIES),
     "policy": st.sampled_from(sorted(p for p, spec in POLICIES.items() if not spec.needs_strategy)),
-    "budget": st.one_of(st.sampled_from([1.0, 0.5, 0.25, 0.1, 0.05]), st.integers(min_value=1, max_value=40)),
+    "budget": st.one_of(st.sampled_from([1.0, 0.5, 0.25, 0.1, 0.05]), st.integers(min_value=2, max_value=40)),
     "prompt": st.integers(min_value=1, max_value=60),
     "decode": st.integers(min_value=1, max_value=12),
     "second_turn": st.sampled_from([None, "text", "image"]),

@@ -119,6 +119,15 @@ def resolved_min_lr(cfg: TrainConfig) -> float:
     return cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
 
 
+def check_data(cfg: TrainConfig) -> None:
+    """Every training file exists and holds something: checked before the model loads."""
+    for path in cfg.data:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"training data file not found: {path}")
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"training data file {path} is empty")
+
+
 def check_budget(cfg: TrainConfig) -> None:
     if cfg.budget_range is None:
         if cfg.budget_tokens is None or cfg.budget_tokens < 1:
@@ -203,6 +212,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
 
     cfg = config if isinstance(config, TrainConfig) else TrainConfig(**config)
     check_budget(cfg)
+    check_data(cfg)
     use_bf16 = torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes

@@ -19,7 +19,7 @@ from vlm_kv.policies import FULL_POLICY, POLICIES, build_policy, normalize_polic
 from vlm_kv.strategy import Strategy
 from vlm_kv.tier_router import TierConfig
 
-__all__ = ["attach", "cache_kwarg", "make_cache"]
+__all__ = ["attach", "cache_kwarg", "check_cache_options", "make_cache"]
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -35,7 +35,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 def make_cache(
     model: torch.nn.Module,
     policy: str = "snapkv",
-    budget: Budget | float | int = 0.25,
+    budget: Budget | float | int | None = None,
     *,
     allocation: str | None = None,
     evict_every: int | None = None,
@@ -60,11 +60,14 @@ def make_cache(
 ) -> CompressedCache | DynamicCache:
     """A KV cache for ``model`` that holds ``budget`` of the full cache, chosen by ``policy``.
 
-    budget: a float in (0, 1] (fraction of the full cache) or an int (average tokens per KV
-        head). A fraction works at every prompt length: the policy's protected sinks and recent
+    budget: a float in (0, 1] is a fraction of the full cache (``1.0``: all of it); an int >= 2 is
+        an average number of tokens per KV head; default 0.25 (``"full"``: 1.0, the only budget it takes). A bare ``1`` and floats above 1 raise BudgetError
+        (whole cache or one token? tokens or a typo?); ``Budget(tokens_per_head=1)`` spells one token
+        per head. A fraction works at every prompt length: the policy's protected sinks and recent
         window shrink to what the budget allows (sinks first, then the window).
-    policy: one of ``vlm_kv.policies.POLICIES`` or ``"full"`` (a plain DynamicCache); case and
-        dashes do not matter ("DBTrimKV" = "dbtrimkv").
+    policy: one of ``vlm_kv.policies.POLICIES`` or ``"full"`` (a plain DynamicCache: it keeps every
+        token, so it refuses a budget other than 1.0 and every compression option below rather than
+        ignore them); case and dashes do not matter ("DBTrimKV" = "dbtrimkv").
     allocation: override how the budget is spread: uniform, pyramid, adaptive, global.
     evict_every: decode steps between eviction steps (one always follows each prefill); default
         16, or ``window`` for a tiered cache (QEvict routes every w steps).
@@ -81,6 +84,10 @@ def make_cache(
     tiers: "int2" keeps windows of ``window`` tokens in full precision, in INT2 (2-bit, still
         attended, can be promoted back) or evicted, ranked by the policy's scores under the same
         byte budget (QEvict's recoverable tiers); ``qevict`` and ``kivi2`` are tiered by themselves.
+        The policy's scores decide what ranking means: ``streaming_llm`` ranks by recency (sinks and
+        the newest windows FP, the next newest INT2, the oldest evicted: KIVI's split under a
+        budget), ``random`` ranks windows at random (the floor for tiered policies, as it is
+        untiered). ``fastv``, ``visionzip``, ``dbtrimkv_threshold`` and ``polykv`` refuse tiers.
     int2_share: with tiers, the share of the routed bytes spent on INT2 windows when something
         must be evicted (default 0.7), in [0, 1). dbtrimkv's default follows the budget instead:
         0.5 up to a budget of 0.1, 0.3 from 0.25, linear between (``TierConfig.int2_share_by_budget``).
@@ -107,39 +114,20 @@ def make_cache(
         rotate the query and the INT2 output instead of the entries) or as stored ("channel", the
         paper's).
     """
-    budget = Budget.parse(budget)
+    options = {name: value for name, value in locals().items() if name not in ("model", "policy", "budget")}
     key = normalize_policy_name(policy)
     if key == FULL_POLICY:
+        _check_full(budget, options)
         get_adapter(model)  # same clear error for unsupported models
         return DynamicCache(config=model.config)
+    budget = Budget.parse(DEFAULT_BUDGET if budget is None else budget)
     spec = policy_spec(key)
     gate_kind = spec.gate_kind
     if spec.needs_strategy:
         from vlm_kv.policies.polykv import strategy_kwargs
 
         scorer_kwargs, allocation_kwargs, gate_kind = strategy_kwargs(model, strategy, scorer_kwargs, allocation_kwargs)
-    elif strategy is not None:
-        raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
-    scorer, alloc = build_policy(key, allocation, scorer_kwargs, allocation_kwargs)
-    tier_options = {name: value for name, value in (
-        ("int2_share", int2_share), ("window", window), ("key_rope", key_rope), ("spill", spill),
-        ("int2_value", int2_value), ("fp_unit", fp_unit), ("int2_share_by_budget", int2_share_by_budget),
-        ("key_grid", key_grid), ("basis", basis)) if value is not None}
-    tier_config = _tier_config(key, spec, alloc, tiers, tier_options)
-    if evict_every is None:
-        evict_every = tier_config.window if tier_config is not None else 16
-    if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
-        raise BudgetError(
-            f"policy {key!r} keeps what its own rule says, whatever the budget: pass budget=1.0 "
-            f"(got {budget.describe()}); its memory follows the content"
-        )
-    if budget.tokens_per_head is not None and budget.tokens_per_head - slack < scorer.sinks:
-        raise BudgetError(
-            f"budget too small: {budget.tokens_per_head} tokens per KV head (minus slack {slack}) cannot hold "
-            f"the {scorer.sinks} attention sinks policy {key!r} always keeps; raise the budget"
-        )
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
-        raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+    scorer, alloc, tier_config, evict_every = _plan(key, spec, budget, options, scorer_kwargs, allocation_kwargs)
     adapter = attach(model)
     rotation = None
     if tier_config is not None and tier_config.key_rope == "pre":
@@ -154,6 +142,86 @@ def make_cache(
         model_id=id(model), seed=seed, gates=gate_module, prefill_chunk=prefill_chunk,
         attention_backend=attention_backend, tiers=tier_config, key_rotation=rotation,
     )
+
+
+DEFAULT_BUDGET = 0.25
+_TIER_OPTIONS = ("int2_share", "window", "key_rope", "spill", "int2_value", "fp_unit", "int2_share_by_budget",
+                 "key_grid", "basis")
+
+
+# make_cache's keyword options and their defaults (what a caller left alone)
+_OPTION_DEFAULTS = {p.name: p.default for p in inspect.signature(make_cache).parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def check_cache_options(policy: str = "snapkv", budget: Budget | float | int | None = None, **options: Any) -> None:
+    """Every check ``make_cache`` makes that needs no model: the policy name, the budget's spelling
+    and range, what ``"full"`` refuses, the tier options and which policies take them, the budget
+    rule of policies that keep what their own rule says (``kivi2``, ``dbtrimkv_threshold``) and a
+    token budget's room for the sinks. Command lines call it before loading a model, so a bad
+    argument fails in a second instead of after the model loads. Raises what make_cache raises."""
+    defaults = _OPTION_DEFAULTS
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"unknown cache option(s) {', '.join(unknown)}; known: {', '.join(defaults)}")
+    options = {**defaults, **options}
+    key = normalize_policy_name(policy)
+    if key == FULL_POLICY:
+        _check_full(budget, options)
+        return
+    spec = policy_spec(key)
+    budget = Budget.parse(DEFAULT_BUDGET if budget is None else budget)
+    if spec.needs_strategy:  # its scorer and allocation come from a strategy, read with the model
+        _tier_config(key, spec, None, options["tiers"], _tier_options(options))
+        return
+    _plan(key, spec, budget, options, options["scorer_kwargs"], options["allocation_kwargs"])
+
+
+def _check_full(budget: Budget | float | int | None, options: dict[str, Any]) -> None:
+    """``"full"`` keeps every token: refuse a budget and options it would otherwise ignore."""
+    if budget is not None and Budget.parse(budget) != Budget(fraction=1.0):
+        raise BudgetError(
+            f"policy 'full' is the uncompressed cache and keeps every token: it takes no budget (got "
+            f"{Budget.parse(budget).describe()}); leave the budget out or pass 1.0"
+        )
+    defaults = _OPTION_DEFAULTS
+    ignored = [f"{name}=" for name, value in options.items()
+               if value != defaults[name] and not (name == "tiers" and value == "none") and value is not False]
+    if ignored:
+        raise ValueError(f"policy 'full' compresses nothing, so {', '.join(ignored)} would be ignored: drop "
+                         f"{'it' if len(ignored) == 1 else 'them'} or choose a compressing policy")
+
+
+def _tier_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {name: options[name] for name in _TIER_OPTIONS if options[name] is not None}
+
+
+def _plan(key: str, spec, budget: Budget, options: dict[str, Any], scorer_kwargs: dict[str, Any] | None,
+          allocation_kwargs: dict[str, Any] | None) -> tuple[Any, Any, TierConfig | None, int]:
+    """(scorer, allocation, tier config, eviction interval) of a compressed cache, every option
+    checked against the policy and the budget."""
+    if options["strategy"] is not None and not spec.needs_strategy:
+        raise ValueError(f"strategy= is for policy 'polykv', not {key!r}")
+    scorer, alloc = build_policy(key, options["allocation"], scorer_kwargs, allocation_kwargs)
+    tier_config = _tier_config(key, spec, alloc, options["tiers"], _tier_options(options))
+    evict_every = options["evict_every"]
+    if evict_every is None:
+        evict_every = tier_config.window if tier_config is not None else 16
+    slack = options["slack"]
+    if not alloc.bounded_by_budget and budget != Budget(fraction=1.0):
+        raise BudgetError(
+            f"policy {key!r} keeps what its own rule says, whatever the budget: pass budget=1.0 "
+            f"(got {budget.describe()}); its memory follows the content"
+        )
+    if budget.tokens_per_head is not None and budget.tokens_per_head - slack < scorer.sinks:
+        raise BudgetError(
+            f"budget too small: {budget.tokens_per_head} tokens per KV head (minus slack {slack}) cannot hold "
+            f"the {scorer.sinks} attention sinks policy {key!r} always keeps; raise the budget"
+        )
+    prefill_chunk = options["prefill_chunk"]
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
+        raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+    return scorer, alloc, tier_config, evict_every
 
 
 def _tier_config(key: str, spec, alloc, tiers: str | None, options: dict[str, Any]) -> TierConfig | None:
@@ -198,6 +266,7 @@ def _tier_config(key: str, spec, alloc, tiers: str | None, options: dict[str, An
     if "int2_share_by_budget" in fields:
         fields["int2_share_by_budget"] = tuple(fields["int2_share_by_budget"])
     return TierConfig(**fields)
+
 
 def _resolve_gates(model: torch.nn.Module, gates: "str | torch.nn.Module | None", kind: str, policy: str) -> torch.nn.Module:
     if gates is None:

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from vlm_kv.budget import BUDGET_HELP, budget_value
 from vlm_kv.cli_options import add_tier_args, tier_kwargs
 
 
@@ -65,16 +66,31 @@ def _csv(kind, text: str) -> list:
     return [kind(t) for t in items]
 
 
+def _check_span(args: argparse.Namespace, continuation: int) -> None:
+    """--context / --continuation / --offset against the text, before any model loads."""
+    from vlm_kv.fidelity import text_span
+
+    for name, value in (("--context", args.context), ("--continuation", continuation)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1 token, got {value}")
+    _check_text(args.text)
+    text_span(args.text, args.offset, args.context + continuation + 1)
+
+
+def _check_cache(policy: str, budget, **kwargs) -> None:
+    """Every cache setting make_cache would refuse, refused before the model loads."""
+    from vlm_kv.api import check_cache_options
+
+    check_cache_options(policy, budget, **kwargs)
+
+
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from vlm_kv.budget import Budget
     from vlm_kv.fidelity import fidelity
 
-    budget = Budget.parse(args.budget).as_number()
+    budget = budget_value(args.budget)
     policy = _check_policy(args.policy, args.gates)
-    _check_text(args.text)
+    _check_span(args, args.continuation)
     _check_model(args.model)
-    tiers = tier_kwargs(args)
-    model, tok = _load(args.model, args.dtype)
     kwargs = {}
     if args.evict_every is not None:
         kwargs["evict_every"] = args.evict_every
@@ -84,7 +100,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         kwargs["prefill_chunk"] = args.prefill_chunk
     if args.strategy:
         kwargs["strategy"] = args.strategy
-    kwargs.update(tiers)
+    kwargs.update(tier_kwargs(args))
+    _check_cache(policy, budget, **kwargs)
+    model, tok = _load(args.model, args.dtype)
     (result,) = fidelity(
         model, tok, args.text, args.context, args.continuation, [(policy, budget)],
         offset=args.offset, progress=not args.json, **kwargs,
@@ -105,11 +123,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from vlm_kv.bench import bench, bench_interleaved, bench_isolated, plot_rows
-    from vlm_kv.budget import Budget
 
     contexts = _csv(int, args.contexts)
     policies = [_check_policy(p, None) for p in _csv(str, args.policies)]
-    budgets = [Budget.parse(b).as_number() for b in _csv(str, args.budgets)]
+    budgets = [budget_value(b) for b in _csv(str, args.budgets)]
     if any(c < 2 for c in contexts):
         raise ValueError(f"--contexts must be >= 2 tokens, got {args.contexts}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -122,6 +139,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_model(args.model)
     tiers = tier_kwargs(args)
+    for policy in policies:  # DynamicCache runs anyway; "full" takes no budget
+        strategy = {"strategy": args.strategy} if policy == "polykv" and args.strategy else {}
+        for budget in budgets if policy != "full" else ():
+            _check_cache(policy, budget, prefill_chunk=args.prefill_chunk, **tiers, **strategy)
     if args.interleave:
         if not args.json:
             print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
@@ -160,11 +181,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from vlm_kv.budget import Budget
     from vlm_kv.demo import run_demo
 
-    budget = Budget.parse(args.budget).as_number()
+    budget = budget_value(args.budget)
     policy = _check_policy(args.policy, args.gates)
+    _check_cache(policy, budget, gates=args.gates, strategy=args.strategy)
     _check_model("smollm2")
     return run_demo(policy=policy, budget=budget, max_new_tokens=args.max_new_tokens, gates=args.gates,
                     strategy=args.strategy)
@@ -187,10 +208,9 @@ def _add_text_args(p: argparse.ArgumentParser, context: int) -> None:
 
 # ---- diagnose: FMM / churn / LIR of eviction and tiering decisions (eval/diagnostics.py)
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from vlm_kv.budget import Budget
     from vlm_kv.eval.diagnostics import check_params, diagnose, format_table, plot
 
-    budget = Budget.parse(args.budget).as_number()
+    budget = budget_value(args.budget)
     policy = _check_policy(args.policy, None)
     check_params(context=args.context, continuation=args.continuation, horizon=args.horizon,
                  window=args.window, lir_m=args.lir_m)
@@ -200,7 +220,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
         kwargs["evict_every"] = args.evict_every
     kwargs.update(tier_kwargs(args, window=False))  # diagnose passes its --window to the tiers too
-    _check_text(args.text)
+    _check_cache(policy, budget, **kwargs, **({"window": args.window} if kwargs.get("tiers") else {}))
+    _check_span(args, args.continuation)
     _check_model(args.model)
     model, tok = _load(args.model, args.dtype)
     result = diagnose(model, tok, args.text, policy, budget, offset=args.offset, context=args.context,
@@ -220,7 +241,7 @@ def _add_diagnose_parser(sub) -> None:
     _add_text_args(p, 2048)
     p.add_argument("--continuation", type=int, default=128, help="tokens fed one at a time after the prefill")
     p.add_argument("--policy", required=True)
-    p.add_argument("--budget", required=True, help="fraction of the full cache in (0, 1], or an int: tokens per KV head")
+    p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--horizon", type=int, default=32, help="decode steps after each event that FMM and LIR look at")
     p.add_argument("--window", type=int, default=8, help="tokens per window (window id = position // window)")
     p.add_argument("--lir-m", type=int, default=2, help="consecutive events out of full precision before a window counts as latent")
@@ -240,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="SmolLM2 answers two turns of questions about a long text, full vs compressed cache")
     p.add_argument("--policy", default="dbtrimkv", help="default: the learned gates shipped for SmolLM2")
-    p.add_argument("--budget", default="0.25")
+    p.add_argument("--budget", default="0.25", help=BUDGET_HELP)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
@@ -250,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_text_args(p, 2048)
     p.add_argument("--continuation", type=int, required=True, help="tokens fed one at a time after the prefill")
     p.add_argument("--policy", required=True)
-    p.add_argument("--budget", required=True, help="fraction of the full cache in (0, 1], or an int: tokens per KV head")
+    p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
@@ -265,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, help="plain UTF-8 text (default: the embedded letter, repeated to length)")
     p.add_argument("--contexts", default="2048,4096,8192", help="comma-separated prefill lengths")
     p.add_argument("--policies", default="snapkv,dbtrimkv", help="comma-separated policies (DynamicCache always runs too)")
-    p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
+    p.add_argument("--budgets", default="0.1", help="comma-separated budgets, each " + BUDGET_HELP)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of N tokens, evicting between chunks")
     p.add_argument("--steps", type=int, default=32, help="decode steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (the median is reported)")
@@ -302,8 +323,8 @@ _PLUGGED_COMMANDS = (
     ("vlm_kv.eval.cli", ("eval",)),
     ("vlm_kv.eval.sweep_cli", ("sweep",)),
     ("vlm_kv.train.cli", ("train-gates",)),
-    ("vlm_kv.calibrate_cli", ("calibrate",)),
     ("vlm_kv.train.vlm_cli", ("train-vlm",)),
+    ("vlm_kv.calibrate_cli", ("calibrate",)),
 )
 
 

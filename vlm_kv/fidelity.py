@@ -43,16 +43,28 @@ class FidelityResult:
         return {k: getattr(self, k) for k in keys}
 
 
-def text_tokens(tokenizer, path: str, offset: int, count: int) -> torch.Tensor:
-    """``count`` token ids of the text file starting at character ``offset``; [1, count]."""
+def text_span(path: str, offset: int, count: int) -> str:
+    """The text ``count`` tokens starting at character ``offset`` are read from (a generous slice:
+    whole novels take seconds to tokenize). Checks, without a tokenizer, what can be checked before a
+    model loads: the file has text at ``offset`` and at least ``count`` characters from there (no
+    token is shorter than a character)."""
+    if offset < 0:
+        raise ValueError(f"--offset must be >= 0 characters, got {offset}")
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     if not text:
         raise ValueError(f"text file {path} is empty")
     if offset >= len(text):
         raise ValueError(f"--offset {offset} is past the end of {path} ({len(text)} characters)")
-    # Tokenize a generous slice only: whole novels take seconds to tokenize.
-    chunk = text[offset : offset + count * 12]
+    if len(text) - offset < count:
+        raise ValueError(f"{path} from offset {offset} has {len(text) - offset} characters, fewer than the {count} "
+                         f"tokens needed")
+    return text[offset : offset + count * 12]
+
+
+def text_tokens(tokenizer, path: str, offset: int, count: int) -> torch.Tensor:
+    """``count`` token ids of the text file starting at character ``offset``; [1, count]."""
+    chunk = text_span(path, offset, count)
     ids = tokenizer(chunk, return_tensors="pt", add_special_tokens=False).input_ids
     if ids.shape[1] < count:
         raise ValueError(f"{path} from offset {offset} has only {ids.shape[1]} tokens, {count} needed")

@@ -40,9 +40,22 @@ def test_model_args_carry_every_tier_option_to_the_cache(qwen):
 
 def test_model_args_already_typed_by_lmms_eval():
     # lmms-eval converts numbers itself and adds batch_size / device from its own flags
-    load, cache = lem.split_model_args({"pretrained": "/m", "policy": "full", "budget": 1, "slack": 2.0,
+    load, cache = lem.split_model_args({"pretrained": "/m", "policy": "snapkv", "budget": 256, "slack": 2.0,
                                         "batch_size": 1, "device": None})
-    assert cache == {"policy": "full", "budget": 1, "slack": 2} and load["device"] is None
+    assert cache == {"policy": "snapkv", "budget": 256, "slack": 2} and load["device"] is None
+
+
+def test_model_args_full_takes_no_budget_and_a_bare_one_is_refused():
+    assert lem.split_model_args("pretrained=/m,policy=full")[1] == {"policy": "full", "budget": 1.0}
+    with pytest.raises(vlm_kv.BudgetError, match="'full' .* takes no budget"):
+        lem.split_model_args("pretrained=/m,policy=full,budget=0.1")
+    with pytest.raises(ValueError, match="'full' compresses nothing, so tiers="):
+        lem.split_model_args("pretrained=/m,policy=full,tiers=int2")
+    for typed in ("1", 1):  # as text, or as lmms-eval converts it
+        with pytest.raises(vlm_kv.BudgetError, match="ambiguous"):
+            lem.split_model_args({"pretrained": "/m", "policy": "snapkv", "budget": typed})
+    with pytest.raises(vlm_kv.BudgetError, match="pass budget=1.0"):  # checked before any model loads
+        lem.split_model_args("pretrained=/m,policy=kivi2,budget=0.5")
 
 
 def test_model_args_errors():

@@ -163,7 +163,7 @@ def test_runner_records_generation_failures_and_torn_lines(tmp_path, qwen, monke
         return real_generate(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", flaky_generate)
-    summary = run_mathvision(model, processor, problems, policy="full", budget=1, out_dir=out,
+    summary = run_mathvision(model, processor, problems, policy="full", budget=1.0, out_dir=out,
                              prompt_style="lmms-eval", max_new_tokens=4, progress=False)
     rows = {r["id"]: r for r in load_rows(out / RESPONSES_FILE)[0]}
     assert rows["5"]["error_kind"] == "generation" and "out of memory" in rows["5"]["error"]
@@ -174,7 +174,7 @@ def test_runner_records_generation_failures_and_torn_lines(tmp_path, qwen, monke
     # simulate a crash mid-write, then retry the failed problems
     with open(out / RESPONSES_FILE, "a", encoding="utf-8") as fh:
         fh.write('{"id": "6", "respo')
-    retried = run_mathvision(model, processor, problems, policy="full", budget=1, out_dir=out,
+    retried = run_mathvision(model, processor, problems, policy="full", budget=1.0, out_dir=out,
                              prompt_style="lmms-eval", max_new_tokens=4, retry_errors=True, progress=False)
     rows_after, bad = load_rows(out / RESPONSES_FILE)
     assert bad == 0  # the torn line was dropped
@@ -203,7 +203,7 @@ def test_runner_reports_repeated_ids_once(tmp_path, qwen):
     path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n", encoding="utf-8")
     problems = load_problems(path)
     assert len(problems) == 2 and problems.n_errors == 1
-    summary = run_mathvision(model, processor, problems, policy="full", budget=1, out_dir=tmp_path / "run",
+    summary = run_mathvision(model, processor, problems, policy="full", budget=1.0, out_dir=tmp_path / "run",
                              max_new_tokens=2, progress=False)
     rows = load_rows(tmp_path / "run" / RESPONSES_FILE)[0]
     assert [r["id"] for r in rows] == ["4"] and rows[0]["error"] is None

@@ -364,10 +364,10 @@ def test_cli_subcommand(fixture_dir, vlm, judge_dir, tmp_path, monkeypatch):
     out = tmp_path / "cli"
     args = parser.parse_args([
         "mmdu", "--model", "some/vlm", "--data", str(fixture_dir / "benchmark.json"), "--images", str(fixture_dir),
-        "--judge", str(judge_dir), "--policy", "full", "--budget", "1", "--limit", "2", "--out", str(out),
+        "--judge", str(judge_dir), "--policy", "full", "--budget", "1.0", "--limit", "2", "--out", str(out),
         "--max-new-tokens", "3", "--judge-max-new-tokens", "4",
     ])
-    assert args.budget == 1.0  # "1" means the whole cache (vlm_kv.budget.Budget.parse), not one token
+    assert args.budget == 1.0  # "1.0" is the whole cache; a bare "1" is refused as ambiguous (Budget.parse)
     assert args.func(args) == 0
     assert loaded == ["some/vlm"]
     s = json.loads((out / SUMMARY_FILE).read_text())

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import vlm_kv
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval import sweep_cli
 from vlm_kv.eval.retrieval import build_trials, retrieval, score_answer
@@ -207,6 +208,20 @@ def test_sweep_cli_runs_a_retrieval_sweep(tiny, text_file, tmp_path, monkeypatch
                              "--out", str(out)])
     with pytest.raises(ValueError, match="--text"):
         bad.func(bad)
+
+
+def test_sweep_refuses_full_and_bad_cells_before_loading(text_file, tmp_path, monkeypatch, capsys):
+    parser = argparse.ArgumentParser(prog="vlm-kv")
+    sweep_cli.register(parser.add_subparsers(dest="command"))
+    monkeypatch.setattr(sweep_cli, "_text_model", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit):  # the reference row is the full cache, at budget 1.0 only
+        parser.parse_args(["sweep", "--task", "fidelity", "--policies", "full,snapkv", "--budgets", "0.1",
+                           "--out", "x"])
+    assert "'full' is every sweep's reference row" in capsys.readouterr().err
+    args = parser.parse_args(["sweep", "--task", "fidelity", "--text", text_file, "--policies", "snapkv,kivi2",
+                              "--budgets", "0.5", "--out", str(tmp_path / "s")])
+    with pytest.raises(vlm_kv.BudgetError, match="'kivi2' keeps what its own rule says"):
+        args.func(args)
 
 
 @pytest.fixture(scope="module")

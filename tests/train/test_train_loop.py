@@ -119,6 +119,24 @@ def test_cli_text_file_tiny_llama(tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_missing_training_data_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import vlm_kv.train.loop as loop
+    from vlm_kv.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data files were checked")
+
+    monkeypatch.setattr(loop, "load_model_and_processor", refuse)
+    argv = ["train-gates", "--data", str(tmp_path / "nope.txt"), "--budget-tokens", "8", "--steps", "1",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert f"training data file not found: {tmp_path / 'nope.txt'}" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")
+    argv[2] = str(tmp_path / "empty.txt")
+    assert main(argv) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
 def test_truncation_drops_cut_images(tmp_path, family):
     from vlm_kv.models.adapters import get_adapter
