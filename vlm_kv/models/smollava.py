@@ -120,8 +120,10 @@ def build_smollava(language_model=None, tokenizer=None, dtype: torch.dtype = tor
         language_model, tokenizer = load_smollm2(dtype)
     config = smollava_config(language_model.config)
     model = LlavaForConditionalGeneration(config)
-    model.model.language_model = language_model.model  # the very same modules: SmolLM2, unchanged
-    model.lm_head = language_model.lm_head
+    # copy SmolLM2's weights rather than adopt its modules: every submodule must read the LLaVA
+    # config's text_config, or switching the attention implementation (make_cache) misses them
+    model.model.language_model.load_state_dict(language_model.model.state_dict())
+    model.tie_weights()  # lm_head is the embedding matrix, as in SmolLM2
     model.to(dtype)
     model.eval()
     return model, smollava_processor(tokenizer)

@@ -1,0 +1,63 @@
+"""The multimodal benchmark's rows, on a tiny language model with SmolLM2's tokenizer (code paths;
+quality is measured on smollava)."""
+
+import pytest
+import torch
+
+from vlm_kv.eval.multimodal import ROW_FIELDS, MultimodalBench, MultimodalSettings
+from vlm_kv.models import smollava as S
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                      max_position_embeddings=4096, pad_token_id=2))
+    return S.build_smollava(lm, smollm2[1])
+
+
+def _bench(tiny, **kw):
+    model, processor = tiny
+    settings = MultimodalSettings(data_seed=3, items=1, tasks=("single", "multi_turn"), max_new_tokens=2, **kw)
+    return MultimodalBench(model, processor, settings)
+
+
+def test_full_row_is_its_own_reference(tiny):
+    (single, turns) = _bench(tiny).run("full", 1.0)
+    for row in (single, turns):
+        assert set(ROW_FIELDS) <= set(row)
+        assert row["accuracy"] == row["full_accuracy"] and row["relative_accuracy"] == 1.0 and row["kl"] == 0.0
+        assert row["kv_bytes"] == row["full_kv_bytes"] > 0
+    assert len(turns["turn_accuracy"]) >= 4
+
+
+def test_compressed_rows_hold_fewer_bytes_and_report_visual_share(tiny):
+    bench = _bench(tiny)
+    rows = bench.run("snapkv", 0.1)
+    for row in rows:
+        assert row["error"] is None
+        assert 0 < row["kv_bytes"] < row["full_kv_bytes"]
+        assert row["max_kv_bytes"] <= 0.1 * row["full_kv_bytes"] * 1.2
+        assert row["kl"] >= 0.0
+        assert 0.0 <= row["visual_share"] <= 1.0
+        assert len(row["visual_share_per_layer"]) == 2
+    # budget >= sequence: the same answers and (numerically) no KL
+    (same, _) = bench.run("snapkv", 1.0)
+    assert same["accuracy"] == same["full_accuracy"]
+    assert same["kl"] < 1e-4
+
+
+def test_a_policy_that_cannot_run_is_a_row_with_its_error(tiny):
+    (row, _) = _bench(tiny).run("dbtrimkv", 0.1)  # no gates exist for the tiny model
+    assert row["error"] and "gates" in row["error"]
+    assert row.get("accuracy") is None
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="tasks"):
+        MultimodalSettings(tasks=("video",)).validate()
+    with pytest.raises(ValueError, match="noise"):
+        MultimodalSettings(images="blank").validate()
