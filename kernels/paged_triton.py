@@ -25,6 +25,18 @@ import triton.language as tl
 from vlm_kv.kernels.layout import PagedShape, check_int2_store, check_paged_store
 
 LOG2E = 1.4426950408889634
+# The decode kernel's tile (kv entries per loop step) and warps per program, as compiled ahead of
+# time for sm_80 and sm_90 (kernels/aot.py, docs/kernels.md). At tile 64 over Triton's default 4
+# warps (the first choice) ptxas spilled registers in every INT2 variant read with the float32
+# (rotated) query, up to 16 KB of spill stores per thread at head_dim 128, and in some FP ones;
+# at tile 32 over 8 warps the INT2 variants at head_dim 128 still spilled (up to 392 B). A launch
+# that reads INT2 windows therefore takes tile 16, FP-only launches tile 32, all over 8 warps:
+# no variant the runtime launches spills.
+DECODE_TILE = 32
+DECODE_INT2_TILE = 16
+DECODE_NUM_WARPS = 8
+# (row, split) programs per multiprocessor the split count aims for on CUDA
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -154,25 +166,30 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _choose_splits(rows: int, capacity: int, tile: int, device: torch.device) -> int:
-    """Enough (row, split) programs to fill the device, never more splits than tiles."""
-    if device.type == "cuda":
-        target = 4 * _multiprocessors(device)
-    else:
-        target = 2 * rows
+def splits_for(rows: int, capacity: int, tile: int, programs: int) -> int:
+    """Splits per row so that about ``programs`` (row, split) programs run, never more splits than tiles."""
     most = max(1, -(-capacity // tile))
-    return max(1, min(most, -(-target // max(rows, 1))))
+    return max(1, min(most, -(-programs // max(rows, 1))))
+
+
+def _choose_splits(rows: int, capacity: int, tile: int, device: torch.device) -> int:
+    """Enough (row, split) programs to fill the device."""
+    programs = PROGRAMS_PER_SM * _multiprocessors(device) if device.type == "cuda" else 2 * rows
+    return splits_for(rows, capacity, tile, programs)
 
 
 def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
               block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
-              scaling: float | None, num_splits: int | None, tile: int):
-    """Run the split kernel; returns each (row, split)'s (unnormalised values, base-2 max, sum)."""
+              scaling: float | None, num_splits: int | None, tile: int | None):
+    """Run the split kernel; returns each (row, split)'s (unnormalised values, base-2 max, sum).
+    ``tile`` None: DECODE_INT2_TILE when INT2 windows are read, else DECODE_TILE."""
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton decode kernel needs CUDA tensors (got {query.device}); on CPU set TRITON_INTERPRET=1 "
             "before importing vlm_kv.kernels.paged_triton, or use backend='torch'"
         )
+    if tile is None:
+        tile = DECODE_INT2_TILE if int2 is not None else DECODE_TILE
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     rows, g, d = shape.rows, shape.group, shape.head_dim
@@ -217,14 +234,14 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
         float(scale * LOG2E), shape.max_blocks, wtable.shape[1] if int2 is not None else 1, fp_split, int2_split,
         G=g, G_PAD=max(16, _next_pow2(g)), D=d, D_PAD=max(16, _next_pow2(d)),
         BS=shape.block_size, W=w, TILE=tile, HAS_INT2=int2 is not None, HAS_HOLES=holes is not None,
-        PRECISION=precision,
+        PRECISION=precision, num_warps=DECODE_NUM_WARPS,
     )
     return acc, m, l
 
 
 def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
             block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
-            scaling: float | None, num_splits: int | None, tile: int) -> torch.Tensor:
+            scaling: float | None, num_splits: int | None, tile: int | None) -> torch.Tensor:
     acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
     rows, splits, g, d = acc.shape
     out = torch.empty(rows, g, d, dtype=query.dtype, device=query.device)
@@ -238,7 +255,7 @@ def paged_decode_sources_triton(
     sources: list[tuple],
     scaling: float | None,
     validate: bool = False,
-    tile: int = 64,
+    tile: int | None = None,
     bases: list[tuple[torch.Tensor | None, torch.Tensor | None] | None] | None = None,
 ) -> torch.Tensor:
     """Decode attention over several paged sources of one layer in ONE softmax.
@@ -255,6 +272,9 @@ def paged_decode_sources_triton(
     rotated basis). It is attended with the query ``q @ Rk`` (float32), since
     ``q . k = (q Rk) . (k Rk)``, and its partial values are rotated back by ``Rv.T`` before the
     merge; the softmax max and sum do not depend on the value basis.
+
+    ``tile``: kv entries per loop step; None lets the launcher choose (``DECODE_INT2_TILE`` for a
+    source with INT2 windows, ``DECODE_TILE`` otherwise: the tiles that compile without spills).
     """
     if bases is not None and len(bases) != len(sources):
         raise ValueError(f"bases: one entry (a (key, value) basis pair or None) per source, got {len(bases)} for {len(sources)} sources")
@@ -291,7 +311,7 @@ def paged_decode_attention_triton(
     scaling: float | None,
     validate: bool = True,
     num_splits: int | None = None,
-    tile: int = 64,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``query`` [B, Hq, D] over the paged FP store; returns [B, Hq, D]."""
     shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
@@ -315,7 +335,7 @@ def mixed_decode_attention_triton(
     scaling: float | None,
     validate: bool = True,
     num_splits: int | None = None,
-    tile: int = 64,
+    tile: int | None = None,
     slot_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One softmax over each row's FP entries and its packed INT2 windows; returns [B, Hq, D].
@@ -329,4 +349,5 @@ def mixed_decode_attention_triton(
     return _launch(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
 
 
-__all__ = ["paged_decode_attention_triton", "mixed_decode_attention_triton", "INTERPRETED"]
+__all__ = ["paged_decode_attention_triton", "mixed_decode_attention_triton", "paged_decode_sources_triton", "splits_for",
+           "INTERPRETED", "DECODE_TILE", "DECODE_INT2_TILE", "DECODE_NUM_WARPS", "PROGRAMS_PER_SM"]

@@ -1,0 +1,127 @@
+"""The Triton decode kernels compile for sm_80 and sm_90 without a GPU, without register spills, within shared memory.
+
+``vlm_kv.kernels.aot`` records the launches the runtime makes (cache decode paths and the public
+kernels API) and compiles each distinct variant ahead of time with the ptxas that ships with triton.
+
+What runs here (2 compile processes, about 2 minutes on 2 free cores): on sm_90 every variant of one GQA group
+(7: Qwen2.5-VL-7B) over every model dtype, head_dim and runtime path; on sm_80 every bf16 variant of
+group 3 (SmolLM2). The GQA group changes no tile of the decode kernel (its query block is padded to
+16 rows for every supported group), so the other groups compile to the same resources; the whole
+matrix (both targets, every group: 780 compiles, about 10 minutes) is
+``scripts/kernel_compile_table.py``, whose output is docs/kernels/compile_sm80_sm90.json.
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from vlm_kv.kernels import aot  # noqa: E402
+
+SM80, SM90 = aot.TARGETS["sm_80"], aot.TARGETS["sm_90"]
+# compile processes: 2 on CI's two cores, more where there are more (the GPU machine has 16)
+WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))
+# one decode cell's variants: FP body + tail; INT2 beside the body (channel basis) and INT2 alone with
+# the rotated query (Hadamard bases), each with the fp16 or the decoded int8 key grid, with or without
+# holes; the public API's paged, mixed and mixed-with-holes launches
+DECODE_VARIANTS_PER_CELL = 1 + 2 * 2 * 2 + 3
+
+
+@pytest.fixture(scope="module")
+def sm90_census():
+    return aot.census(SM90)
+
+
+def _pre_fix_probe(variants: list[aot.Variant]) -> aot.Variant:
+    """The fp32 INT2 variant at head_dim 128 as first launched (tile 64, Triton's default 4 warps): it spilled."""
+    base = next(v for v in variants if v.kernel == "_decode_kernel" and v.params["int2"] and v.params["head_dim"] == 128
+                and v.params["dtype"] == "float32" and v.params["block"] == 1)
+    return dataclasses.replace(base, constexprs={**base.constexprs, "TILE": 64}, options={"num_warps": 4},
+                               params={**base.params, "probe": "tile 64, 4 warps"})
+
+
+@pytest.fixture(scope="module")
+def compiled(sm90_census):
+    sm90 = [v for v in sm90_census if v.params["group"] == 7]
+    smollm2 = tuple(s for s in aot.decode_shapes() if s.group == 3)
+    sm80 = aot.census(SM80, aot.Matrix(shapes=smollm2, dtypes=(torch.bfloat16,)))
+    jobs = [(v, SM90) for v in sm90] + [(_pre_fix_probe(sm90), SM90)] + [(v, SM80) for v in sm80]
+    records = aot.compile_jobs(jobs, workers=WORKERS)
+    return records[:len(sm90)], records[len(sm90)], records[len(sm90) + 1:]
+
+
+def test_census_covers_every_dtype_head_dim_group_and_runtime_path(sm90_census):
+    from vlm_kv.kernels import paged_triton
+    from vlm_kv.kernels.layout import FLOAT_DTYPES
+
+    cells = {(str(dt).replace("torch.", ""), s.head_dim, s.group) for dt in FLOAT_DTYPES for s in aot.decode_shapes()}
+    assert {s.group for s in aot.decode_shapes()} == {1, 3, 4, 7, 8} and {s.head_dim for s in aot.decode_shapes()} == {64, 128}
+    decode = [v for v in sm90_census if v.kernel == "_decode_kernel"]
+    merge = [v for v in sm90_census if v.kernel == "_merge_kernel"]
+    assert len(decode) + len(merge) == len(sm90_census)
+    for kind in (decode, merge):
+        assert {(v.params["dtype"], v.params["head_dim"], v.params["group"]) for v in kind} == cells
+    per_cell = {c: [v for v in decode if (v.params["dtype"], v.params["head_dim"], v.params["group"]) == c] for c in cells}
+    assert {len(vs) for vs in per_cell.values()} == {DECODE_VARIANTS_PER_CELL}
+    assert {v.params["block"] for v in decode} == {1, 16}  # the cache's one-entry blocks, the API's pages
+    assert {(v.params["int2"], v.params["holes"]) for v in decode} == {(False, False), (True, False), (True, True)}
+    assert {v.params["key_grid"] for v in decode if v.params["int2"]} == {"fp16", "fp32"}
+    # rotated (Hadamard) INT2 sources are read with the float32 rotated query, in every model dtype
+    assert {v.params["dtype"] for v in decode if v.params["int2"] and v.params["query"] == "fp32"} == {
+        "float32", "bfloat16", "float16"}
+    # the launcher's tiles: INT2 launches a smaller one (registers), FP-only the larger
+    assert {(v.params["int2"], v.params["tile"]) for v in decode} == {
+        (False, paged_triton.DECODE_TILE), (True, paged_triton.DECODE_INT2_TILE)}
+    assert {v.options["num_warps"] for v in decode} == {paged_triton.DECODE_NUM_WARPS}
+    assert all(v.paths for v in sm90_census)
+
+
+def test_every_variant_compiles_without_spills_within_shared_memory(compiled):
+    sm90, _, sm80 = compiled
+    problems = [f"{r.target} {r.kernel} {r.params}: {p}" for r in sm90 + sm80 for p in r.problems()]
+    assert not problems, "\n".join(problems)
+    assert {r.target for r in sm90} == {"sm_90"} and {r.target for r in sm80} == {"sm_80"}
+    assert len(sm90) == 3 * 2 * (DECODE_VARIANTS_PER_CELL + 1) and len(sm80) == 2 * (DECODE_VARIANTS_PER_CELL + 1)
+    for r in sm90 + sm80:
+        assert r.ok and 0 < r.n_regs <= 255 and r.n_spills == 0 and r.stack_bytes == 0
+        assert 0 < r.shared_bytes <= r.max_shared_bytes
+
+
+def test_the_check_catches_the_spills_of_the_first_launch_configuration(compiled):
+    """Tile 64 over 4 warps (the launcher's first choice) spills at head_dim 128: the check must say so."""
+    _, probe, _ = compiled
+    assert probe.ok
+    assert probe.spill_store_bytes > 0 and probe.n_spills > 0
+    assert any("spills registers" in p for p in probe.problems())
+
+
+def test_ptxas_log_parsing():
+    log = ("ptxas info    : Compiling entry function '_decode_kernel' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _decode_kernel\n"
+           "    928 bytes stack frame, 976 bytes spill stores, 952 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers, 928 bytes cumulative stack size\n")
+    assert aot.parse_ptxas_log(log) == {"n_regs": 255, "stack_bytes": 928, "spill_store_bytes": 976,
+                                        "spill_load_bytes": 952}
+    with pytest.raises(ValueError, match="resource usage"):
+        aot.parse_ptxas_log("ptxas info    : 11 bytes gmem\n")
+
+
+def test_record_problems_name_each_failure():
+    ok = aot.CompileRecord("k", {}, "sm_90", ok=True, n_regs=100, n_spills=0, spill_store_bytes=0, spill_load_bytes=0,
+                           stack_bytes=0, shared_bytes=1000, max_shared_bytes=2000)
+    assert ok.problems() == []
+    assert "spills" in dataclasses.replace(ok, n_spills=3, spill_store_bytes=12).problems()[0]
+    assert "shared memory" in dataclasses.replace(ok, shared_bytes=4000).problems()[0]
+    assert "does not compile" in dataclasses.replace(ok, ok=False, error="CompilationError: x").problems()[0]
+
+
+def test_recorded_launches_restore_the_kernels():
+    from vlm_kv.kernels import paged_triton
+
+    before = (paged_triton._decode_kernel, paged_triton._merge_kernel, paged_triton.INTERPRETED)
+    with aot.recorded_launches() as launches:
+        assert paged_triton._decode_kernel is not before[0]
+        assert launches == []
+    assert (paged_triton._decode_kernel, paged_triton._merge_kernel, paged_triton.INTERPRETED) == before
