@@ -16,6 +16,11 @@ basis, holes. Integer arguments (table widths) take generic values (neither 1 no
 16) except where the runtime always passes 1; Triton compiles those integer classes separately
 at run time, with the same tiles.
 
+How: each variant compiles in a fresh Python process started with TRITON_INTERPRET=0
+(``compile_jobs`` says why), always recompiled into a throw-away cache; registers and spills come
+from ``ptxas -v``, shared memory from the compiled kernel's metadata. On a GPU, ``runtime_records``
+launches the same variants for real and reads what the driver reports.
+
 ``varlen_prefill.py`` has no Triton kernel (its CUDA path is flash-attn's), so every variant is
 of ``paged_triton``'s split decode kernel or its merge kernel.
 
@@ -30,7 +35,6 @@ import io
 import re
 import tempfile
 import time
-import types
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
@@ -145,7 +149,7 @@ class CompileRecord:
         out = []
         if self.n_spills or self.spill_store_bytes or self.spill_load_bytes:
             out.append(f"spills registers ({self.spill_store_bytes} B stores, {self.spill_load_bytes} B loads)")
-        if self.shared_bytes is not None and self.max_shared_bytes is not None and self.shared_bytes > self.max_shared_bytes:
+        if None not in (self.shared_bytes, self.max_shared_bytes) and self.shared_bytes > self.max_shared_bytes:
             out.append(f"needs {self.shared_bytes} B shared memory, the target has {self.max_shared_bytes}")
         return out
 
@@ -234,7 +238,8 @@ def _specialize(launch: _Launch) -> tuple[dict[str, str], dict[str, Any], tuple[
 
     params = kernel_params(launch.kernel)
     names = [p.name for p in params]
-    bound = inspect.signature(launch.kernel.fn).bind_partial(*launch.args, **{k: v for k, v in launch.kwargs.items() if k in names})
+    arguments = {k: v for k, v in launch.kwargs.items() if k in names}
+    bound = inspect.signature(launch.kernel.fn).bind_partial(*launch.args, **arguments)
     options = {k: v for k, v in launch.kwargs.items() if k not in names}
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
@@ -253,6 +258,19 @@ def _specialize(launch: _Launch) -> tuple[dict[str, str], dict[str, Any], tuple[
         if isinstance(spec, str) and "D" in spec:
             aligned.append(p.name)
     return signature, constexprs, tuple(aligned), options
+
+
+def kernel_source_digest() -> str:
+    """sha256 of the source of every jitted function of ``paged_triton``: what a compile table was made from."""
+    import hashlib
+    import inspect
+
+    module = importlib.import_module(KERNEL_MODULE)
+    digest = hashlib.sha256()
+    for name, value in sorted(vars(module).items()):
+        if _is_jitted(value):
+            digest.update(name.encode() + b"\0" + inspect.getsource(value.fn).encode() + b"\0")
+    return digest.hexdigest()
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -300,14 +318,16 @@ def _fp_store(cell: Cell, batch: int = 1) -> Any:
 
     h, d, prompt, dev = cell.shape.num_kv_heads, cell.shape.head_dim, 40, cell.device
     store = VarlenKVStore(batch, h, d, cell.dtype, dev)
-    store.append(cell.randn(batch, h, prompt, d, seed=0), cell.randn(batch, h, prompt, d, seed=1), 0,
-                 torch.zeros(batch, prompt, dtype=torch.uint8, device=dev), torch.ones(batch, prompt, dtype=torch.bool, device=dev))
+    def text(q: int) -> tuple[Any, Any]:  # modality codes and validity of q new tokens
+        return torch.zeros(batch, q, dtype=torch.uint8, device=dev), torch.ones(batch, q, dtype=torch.bool, device=dev)
+
+    store.append(cell.randn(batch, h, prompt, d, seed=0), cell.randn(batch, h, prompt, d, seed=1), 0, *text(prompt))
     # row r keeps 21 - r % 5 entries: table widths are neither 1 nor a multiple of 16 (generic specialization)
     keep = torch.arange(prompt)[None, None, :] < (21 - torch.arange(batch * h) % 5).view(batch, h, 1)
     store.compact(keep.to(dev))
     for step in range(3):
         store.append(cell.randn(batch, h, 1, d, seed=2 + step), cell.randn(batch, h, 1, d, seed=5 + step), prompt + step,
-                     torch.zeros(batch, 1, dtype=torch.uint8, device=dev), torch.ones(batch, 1, dtype=torch.bool, device=dev))
+                     *text(1))
     return store
 
 
@@ -594,7 +614,7 @@ def _worker_main(path_in: str, path_out: str) -> None:
 __all__ = [
     "TargetSpec", "TARGETS", "ModelShape", "MODEL_SHAPES", "DecodeShape", "decode_shapes", "Variant", "CompileRecord",
     "TierChoice", "Cell", "Matrix", "census", "runtime_records", "recorded_launches", "kernel_params",
-    "parse_ptxas_log", "compile_variant", "compile_variants", "compile_jobs",
+    "parse_ptxas_log", "compile_variant", "compile_variants", "compile_jobs", "kernel_source_digest",
 ]
 
 

@@ -25,16 +25,18 @@ import triton.language as tl
 from vlm_kv.kernels.layout import PagedShape, check_int2_store, check_paged_store
 
 LOG2E = 1.4426950408889634
-# The decode kernel's tile (kv entries per loop step) and warps per program, as compiled ahead of
-# time for sm_80 and sm_90 (kernels/aot.py, docs/kernels.md). At tile 64 over Triton's default 4
-# warps (the first choice) ptxas spilled registers in every INT2 variant read with the float32
-# (rotated) query, up to 16 KB of spill stores per thread at head_dim 128, and in some FP ones;
-# at tile 32 over 8 warps the INT2 variants at head_dim 128 still spilled (up to 392 B). A launch
-# that reads INT2 windows therefore takes tile 16, FP-only launches tile 32, all over 8 warps:
-# no variant the runtime launches spills.
+# Tiles (kv entries per loop step) and warps, as compiled ahead of time for sm_80 and sm_90
+# (kernels/aot.py, docs/kernels.md). At tile 64 over Triton's default 4 warps (the first choice)
+# ptxas spilled registers in every INT2 variant read with the float32 (rotated) query, up to 16 KB
+# of spill stores per thread at head_dim 128, and in some FP ones; at tile 32 over 8 warps INT2
+# variants at head_dim 128 still spilled (up to 392 B), and fp32 FP ones a few bytes on sm_80.
+# So a launch that unpacks INT2 windows or takes IEEE float32 dots runs tile 16, a 16-bit FP-only
+# launch tile 32, both over 8 warps; the merge kernel spilled 16 B over 4 warps on sm_80 (256
+# splits) and runs over 8. No variant the runtime launches spills.
 DECODE_TILE = 32
-DECODE_INT2_TILE = 16
+DECODE_SMALL_TILE = 16
 DECODE_NUM_WARPS = 8
+MERGE_NUM_WARPS = 8
 # (row, split) programs per multiprocessor the split count aims for on CUDA
 PROGRAMS_PER_SM = 4
 
@@ -166,6 +168,12 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_tile(reads_int2: bool, precision: str) -> int:
+    """The launcher's tile: the small one where INT2 windows are unpacked or the dots run in IEEE float32
+    (more live registers per entry), the larger one for 16-bit FP-only launches."""
+    return DECODE_TILE if not reads_int2 and precision == "tf32" else DECODE_SMALL_TILE
+
+
 def splits_for(rows: int, capacity: int, tile: int, programs: int) -> int:
     """Splits per row so that about ``programs`` (row, split) programs run, never more splits than tiles."""
     most = max(1, -(-capacity // tile))
@@ -182,14 +190,17 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
               block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
               scaling: float | None, num_splits: int | None, tile: int | None):
     """Run the split kernel; returns each (row, split)'s (unnormalised values, base-2 max, sum).
-    ``tile`` None: DECODE_INT2_TILE when INT2 windows are read, else DECODE_TILE."""
+    ``tile`` None: ``decode_tile`` of the launch."""
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton decode kernel needs CUDA tensors (got {query.device}); on CPU set TRITON_INTERPRET=1 "
             "before importing vlm_kv.kernels.paged_triton, or use backend='torch'"
         )
+    # 16-bit q and k are exact in tf32 (>= 10 mantissa bits), so tensor cores lose nothing on the
+    # logits there; fp32 stores keep full precision.
+    precision = "ieee" if torch.float32 in (query.dtype, key_pool.dtype) else "tf32"
     if tile is None:
-        tile = DECODE_INT2_TILE if int2 is not None else DECODE_TILE
+        tile = decode_tile(int2 is not None, precision)
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     rows, g, d = shape.rows, shape.group, shape.head_dim
@@ -224,9 +235,6 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
     m = torch.empty(rows, splits, g, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     scale = scaling if scaling is not None else d ** -0.5
-    # 16-bit q and k are exact in tf32 (>= 10 mantissa bits), so tensor cores lose nothing on the
-    # logits there; fp32 stores keep full precision.
-    precision = "ieee" if torch.float32 in (query.dtype, key_pool.dtype) else "tf32"
     _decode_kernel[(rows, splits)](
         q, key_pool, value_pool, block_table, lengths,
         kc, ks, kz, vc, vs, vz, wtable, wcount, holes if holes is not None else lengths,
@@ -246,7 +254,7 @@ def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, valu
     rows, splits, g, d = acc.shape
     out = torch.empty(rows, g, d, dtype=query.dtype, device=query.device)
     _merge_kernel[(rows,)](acc, m, l, out, splits, G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d),
-                           S_PAD=_next_pow2(splits))
+                           S_PAD=_next_pow2(splits), num_warps=MERGE_NUM_WARPS)
     return out.view(shape.batch, shape.num_query_heads, d)
 
 
@@ -273,8 +281,8 @@ def paged_decode_sources_triton(
     ``q . k = (q Rk) . (k Rk)``, and its partial values are rotated back by ``Rv.T`` before the
     merge; the softmax max and sum do not depend on the value basis.
 
-    ``tile``: kv entries per loop step; None lets the launcher choose (``DECODE_INT2_TILE`` for a
-    source with INT2 windows, ``DECODE_TILE`` otherwise: the tiles that compile without spills).
+    ``tile``: kv entries per loop step; None lets the launcher choose (``decode_tile``: the tiles that
+    compile without spills).
     """
     if bases is not None and len(bases) != len(sources):
         raise ValueError(f"bases: one entry (a (key, value) basis pair or None) per source, got {len(bases)} for {len(sources)} sources")
@@ -350,4 +358,5 @@ def mixed_decode_attention_triton(
 
 
 __all__ = ["paged_decode_attention_triton", "mixed_decode_attention_triton", "paged_decode_sources_triton", "splits_for",
-           "INTERPRETED", "DECODE_TILE", "DECODE_INT2_TILE", "DECODE_NUM_WARPS", "PROGRAMS_PER_SM"]
+           "decode_tile", "INTERPRETED", "DECODE_TILE", "DECODE_SMALL_TILE", "DECODE_NUM_WARPS",
+           "MERGE_NUM_WARPS", "PROGRAMS_PER_SM"]
