@@ -36,8 +36,9 @@ import re
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 KERNEL_MODULE = "vlm_kv.kernels.paged_triton"
 WARP_SIZE = 32  # every NVIDIA target
@@ -444,7 +445,7 @@ def _collect(target: TargetSpec, matrix: Matrix, device: Any, run: bool) -> list
                         signature, constexprs, aligned, options = _specialize(launch)
                         params = _variant_params(launch, signature, constexprs, options, model)
                         variant = Variant(launch.name, signature, constexprs, aligned, options, params)
-                        variant, compiled = found.setdefault(variant.key(), (variant, launch.compiled))
+                        variant, _ = found.setdefault(variant.key(), (variant, launch.compiled))
                         if path not in variant.paths:
                             variant.paths.append(path)
                     launches.clear()
@@ -612,9 +613,26 @@ def _worker_main(path_in: str, path_out: str) -> None:
 
 
 __all__ = [
-    "TargetSpec", "TARGETS", "ModelShape", "MODEL_SHAPES", "DecodeShape", "decode_shapes", "Variant", "CompileRecord",
-    "TierChoice", "Cell", "Matrix", "census", "runtime_records", "recorded_launches", "kernel_params",
-    "parse_ptxas_log", "compile_variant", "compile_variants", "compile_jobs", "kernel_source_digest",
+    "MODEL_SHAPES",
+    "TARGETS",
+    "Cell",
+    "CompileRecord",
+    "DecodeShape",
+    "Matrix",
+    "ModelShape",
+    "TargetSpec",
+    "TierChoice",
+    "Variant",
+    "census",
+    "compile_jobs",
+    "compile_variant",
+    "compile_variants",
+    "decode_shapes",
+    "kernel_params",
+    "kernel_source_digest",
+    "parse_ptxas_log",
+    "recorded_launches",
+    "runtime_records",
 ]
 
 

@@ -199,7 +199,10 @@ def parse_plan(argv: list[str] | None = None) -> tuple[Plan, str | None]:
     parser.add_argument("--budget", type=float, default=0.1, help="vlm_kv budget (fraction of the full cache)")
     parser.add_argument("--json", default=None, help="also write the JSON lines to this file")
     args = parser.parse_args(argv)
-    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(","))
+
     plan = Plan(
         model=TINY if args.tiny else QWEN25_VL_7B_TEXT,
         prompt_lengths=ints(args.lengths or ("512,640" if args.tiny else "8192,32768")),
@@ -215,9 +218,10 @@ def parse_plan(argv: list[str] | None = None) -> tuple[Plan, str | None]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    import contextlib
+
     plan, path = parse_plan(argv)
-    sink = open(path, "w") if path else None
-    try:
+    with open(path, "w") if path else contextlib.nullcontext() as sink:
         def emit(line: str) -> None:
             print(line, flush=True)
             if sink is not None:
@@ -225,9 +229,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 sink.flush()
 
         return run(plan, emit)
-    finally:
-        if sink is not None:
-            sink.close()
 
 
 if __name__ == "__main__":

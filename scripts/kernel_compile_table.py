@@ -26,8 +26,16 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from vlm_kv.kernels.aot import (TARGETS, CompileRecord, Matrix, census, compile_variants, decode_shapes,
-                                kernel_source_digest, runtime_records)
+from vlm_kv.kernels.aot import (
+    TARGETS,
+    CompileRecord,
+    Matrix,
+    census,
+    compile_variants,
+    decode_shapes,
+    kernel_source_digest,
+    runtime_records,
+)
 
 # columns of the per-variant table, in order (absent ones print as "")
 VARIANT_COLUMNS = ("dtype", "head_dim", "group", "query", "block", "tile", "int2", "key_grid", "holes", "window",
