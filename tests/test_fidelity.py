@@ -67,8 +67,9 @@ def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeyp
     row = json.loads(line)
     assert set(row) == {"policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes",
                         "full_kv_bytes", "max_kv_bytes", "prefill_chunk", "dtype", "tiers", "int2_share", "int2_value",
-                        "window", "key_rope", "fp_unit", "key_grid", "basis"}
+                        "window", "key_rope", "fp_unit", "key_grid", "basis", "held_bytes"}
     assert row["tiers"] is None  # no --tiers: an untiered cache
+    assert row["held_bytes"] > row["kv_bytes"]  # keys/values plus their bookkeeping
     assert row["policy"] == "tova" and row["context"] == 128 and row["continuation"] == 8
     assert 0 <= row["top1"] <= 1 and row["max_kv_bytes"] <= 0.5 * row["full_kv_bytes"]
 

@@ -42,8 +42,9 @@ class Allocation:
         sequence's real tokens ([B]); per-phase policies return a different one per phase."""
         return self
 
-    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: int) -> torch.Tensor:
-        """Per-head capacity of one layer ([B]); the layer allocations override this."""
+    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Per-head capacity of one layer ([B]) for per-sequence capacities ``cap`` and protected
+        recent windows ``window`` ([B]); the layer allocations override this."""
         return cap
 
     def keep_layer(self, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,7 @@ class Pyramid(Uniform):
     name: ClassVar[str] = "pyramid"
     beta: float = 20.0
 
-    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: int) -> torch.Tensor:
+    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         if num_layers == 1:
             return cap
         free = (cap - window).clamp(min=0).double()

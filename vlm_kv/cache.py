@@ -188,11 +188,8 @@ class CompressedLayer(CacheLayerMixin):
         w = self.cache.scorer.for_layer(self.layer_idx).query_window
         if w <= 0:
             return
-        if self._queries is None:
-            b, hq, _, d = query.shape
-            self._queries = torch.zeros(b, hq, w, d, dtype=query.dtype, device=query.device)
-            self._query_positions = torch.zeros(w, dtype=torch.long, device=query.device)
         n = min(query.shape[2], w)
+        self._grow_query_ring(query, min(w, self._queries_filled + n))
         if n == 1:  # a decode step: one slot, no index tensors
             slot = self._queries_next
             self._queries[:, :, slot] = query[:, :, -1]
@@ -203,6 +200,21 @@ class CompressedLayer(CacheLayerMixin):
             self._query_positions.index_copy_(0, slots, positions[-n:])
         self._queries_next = (self._queries_next + n) % w
         self._queries_filled = min(w, self._queries_filled + n)
+
+    def _grow_query_ring(self, query: torch.Tensor, size: int) -> None:
+        """Room for ``size`` queries: the ring grows with the queries seen, up to the window, so a
+        short prompt does not hold a whole window of empty slots. Until it is full it fills in
+        order (the next slot is the count held), so growing keeps every query where it is."""
+        if self._queries is not None and self._queries.shape[2] >= size:
+            return
+        b, hq, _, d = query.shape
+        queries = torch.zeros(b, hq, size, d, dtype=query.dtype, device=query.device)
+        positions = torch.zeros(size, dtype=torch.long, device=query.device)
+        if self._queries is not None:
+            held = self._queries_filled
+            queries[:, :, :held] = self._queries[:, :, :held]
+            positions[:held] = self._query_positions[:held]
+        self._queries, self._query_positions = queries, positions
 
     @property
     def window_queries(self) -> torch.Tensor | None:
@@ -431,7 +443,7 @@ class CompressedCache(Cache):
             raise CacheMisuseError(f"gate outputs for layers {left} were computed but never stored in the cache")
         self._store_deferred_log_betas()
         q = self.ledger.end_forward()
-        if q and self.evictor.due(q):
+        if q and self.evictor.due(q, prompt=self._fresh_forward):
             self.peak_kv_bytes = max(self.peak_kv_bytes, report.total_kv_bytes(self))
             self.evict()
 
@@ -485,6 +497,7 @@ class CompressedCache(Cache):
         for idx in sorted(self.gate_inputs_stored):
             self.store_log_beta(idx, log_beta[idx].unsqueeze(-1))
         self.gate_inputs_stored.clear()
+        self.gate_inputs = None  # one forward's hand-off: not kept between forwards
 
     def _clear_gate_hand_offs(self) -> None:
         self.gate_stash.clear()
@@ -520,11 +533,25 @@ class CompressedCache(Cache):
         else:
             self.evictor.evict(layers, self.ledger)
         self.evict_seconds += time.perf_counter() - start
+        self._bound_spare_room()
         held = report.total_kv_bytes(self)
         self.max_kv_bytes = max(self.max_kv_bytes, held)
         self.peak_kv_bytes = max(self.peak_kv_bytes, held)
         for listener in self.eviction_listeners:
             listener(self)
+
+    def _bound_spare_room(self) -> None:
+        """After an eviction step: how many spare tokens per head the decode tail may reserve before
+        the next one. At most the budget's tokens per head (so spare room never dwarfs a small
+        budget), and at most what the room this layer freed pays for, so the cache never holds more
+        than a DynamicCache would for the same tokens (a budget of 1.0 frees nothing: no spare room)."""
+        caps = self.evictor.capacities(self.ledger.valid_tokens)
+        by_budget = int(caps.min()) if caps.numel() else 0
+        for layer in self.layers:
+            if layer.store is None:
+                continue
+            room = report.full_layer_bytes(layer) - report.layer_held_bytes(layer)
+            layer.store.spare_limit = max(0, min(by_budget, room // layer.store.slot_bytes()))
 
     def reset(self) -> None:
         """Empty the cache for a new conversation: every layer and what the ledger counted."""
@@ -538,6 +565,7 @@ class CompressedCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self.ledger.repeat_batch(repeats)
+        self.evictor.repeat_batch(repeats)
 
     # ------------------------------------------------------------ report
     @property

@@ -117,7 +117,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         print(f"policy {r.policy}  budget {r.budget}  context {r.context}  continuation {r.continuation}")
         print(f"  KL(full||compressed) {r.kl:.4f}   top-1 agreement {r.top1:.3f}")
         print(f"  NLL {r.nll:.4f} (full cache {r.full_nll:.4f})")
-        print(f"  KV bytes held {r.kv_bytes:,} / full {r.full_kv_bytes:,}  (max after eviction {r.max_kv_bytes:,})")
+        print(f"  KV bytes (keys/values) {r.kv_bytes:,} / full cache {r.full_kv_bytes:,}  (most after an eviction step "
+              f"{r.max_kv_bytes:,}); everything held, bookkeeping included {r.held_bytes:,}")
     return 0
 
 

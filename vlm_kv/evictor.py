@@ -38,21 +38,40 @@ class Evictor:
         self.budget = budget
         self.evict_every = evict_every
         self.slack = slack
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: list[torch.Generator] = []  # one per sequence, for random draws
         self.decode_steps_since_eviction = 0
         self.eviction_steps = 0
         self.evicted_entries = 0
         self.phase = "prefill"  # what the forward before the next eviction step was
 
 
-    def due(self, q_len: int) -> bool:
-        """Whether the forward that just brought ``q_len`` tokens ends with an eviction step."""
-        if q_len > 1:
+    def due(self, q_len: int, prompt: bool = False) -> bool:
+        """Whether the forward that just brought ``q_len`` tokens ends with an eviction step.
+        ``prompt``: the forward started on an empty cache; a prompt is a prefill even when it is one
+        token long (a padded batch prefills it with its longer rows, so it must be alone too)."""
+        if q_len > 1 or prompt:
             self.phase = "prefill"
             return True
         self.phase = "decode"
         self.decode_steps_since_eviction += q_len
         return self.decode_steps_since_eviction >= self.evict_every
+
+    def row_generators(self, batch: int) -> list[torch.Generator]:
+        """A generator per sequence, each seeded alike: a sequence's random draws never depend on
+        what else is in its batch."""
+        while len(self.generators) < batch:
+            self.generators.append(torch.Generator().manual_seed(self.seed))
+        return self.generators[:batch]
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Sequence b becomes b*repeats .. b*repeats+repeats-1; each copy continues b's draws."""
+        def copy(generator: torch.Generator) -> torch.Generator:
+            clone = torch.Generator()
+            clone.set_state(generator.get_state())
+            return clone
+
+        self.generators = [copy(g) for g in self.generators for _ in range(repeats)]
 
     def capacities(self, valid_tokens: torch.Tensor) -> torch.Tensor:
         """[B] tokens per head each sequence keeps after an eviction step (budget minus slack)."""
@@ -77,7 +96,7 @@ class Evictor:
             scaling=layer.scaling,
             seen=layer.seen,
             capacity=cap_layer,
-            generator=self.generator,
+            generator=self.row_generators(view.valid.shape[0]),
         )
         if view.length == 0:  # everything was evicted before (a budget of 0 tokens per head)
             return torch.empty(view.valid.shape, dtype=torch.float32, device=view.valid.device)
@@ -104,7 +123,7 @@ class Evictor:
                    ledger: TokenLedger, num_layers: int) -> torch.Tensor:
         """Keep mask of one layer under a per-layer (not global) allocation."""
         allocation = step_allocation.for_layer(layer.layer_idx)
-        window = int(self.protected(caps, scorer.for_layer(layer.layer_idx))[1].max()) if caps.numel() else 0
+        window = self.protected(caps, scorer.for_layer(layer.layer_idx))[1]  # each sequence's own, never the batch's
         cap_layer = allocation.layer_capacity(layer.layer_idx, num_layers, caps, window)
         view = layer.store.padded_view(with_values=False, states=self.scorer.state_names)
         return allocation.keep_layer(self.layer_scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer)

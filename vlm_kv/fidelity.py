@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg, make_cache
-from vlm_kv.report import cache_bytes
+from vlm_kv.report import cache_bytes, peak_after_eviction
 
 
 @dataclass
@@ -34,12 +34,14 @@ class FidelityResult:
     max_kv_bytes: int
     full_nll: float = float("nan")
     decode_ms_per_token: float = float("nan")
+    held_bytes: int = 0  # everything the cache keeps at the end (kv_bytes()["held"]): keys/values and bookkeeping
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def json_fields(self) -> dict:
-        keys = ("policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes", "full_kv_bytes", "max_kv_bytes")
+        keys = ("policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes", "full_kv_bytes", "max_kv_bytes",
+                "held_bytes")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -114,8 +116,9 @@ def measure(
     top1 = (logps.argmax(-1) == ref_logps.argmax(-1)).float()
     nll = -logps.gather(1, targets[:, None]).squeeze(1)
     full_nll = -ref_logps.gather(1, targets[:, None]).squeeze(1)
-    held = cache_bytes(cache)
-    peak = getattr(cache, "max_kv_bytes", held)
+    kv = cache_bytes(cache)
+    peak = peak_after_eviction(cache)
+    held = int(cache.kv_bytes()["held"]) if hasattr(cache, "kv_bytes") else kv
     return FidelityResult(
         policy=policy,
         budget=budget,
@@ -124,9 +127,10 @@ def measure(
         kl=float(kl.mean()),
         top1=float(top1.mean()),
         nll=float(nll.mean()),
-        kv_bytes=int(held),
+        kv_bytes=int(kv),
         full_kv_bytes=int(full_bytes),
         max_kv_bytes=int(peak),
+        held_bytes=held,
         full_nll=float(full_nll.mean()),
         decode_ms_per_token=ms,
     )

@@ -1,7 +1,7 @@
 """The INT2 tier of one layer and its write-once quantization ledger (QEvict).
 
 A *window* is ``w`` consecutive positions of one (batch, kv head) row: window id
-``position // w``. A window is quantized once, at its first demotion from full precision
+``(position - origin) // w``, counted from the sequence's first real token (``tier_windows``). A window is quantized once, at its first demotion from full precision
 (KIVI's grid: keys per channel over the window, values per token), and its codes go into the
 ledger. While the window lives in the INT2 tier its ledger entry is *active*: attention reads
 it (dequantized) in the same softmax as the FP entries, and scorers keep accruing state on it.
@@ -226,7 +226,7 @@ class Int2Tier:
         self.key_basis, self.value_basis = int2_basis(basis, head_dim, device)
         self.codes = QuantizedWindows.empty(window, head_dim, device, key_grid)
         self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
-        self.window_id = torch.empty(0, dtype=torch.long, device=device)  # position // w
+        self.window_id = torch.empty(0, dtype=torch.long, device=device)  # (position - origin) // w
         self.positions = torch.empty(0, window, dtype=torch.int32, device=device)  # -1: no entry in that slot
         self.modality = torch.empty(0, window, dtype=torch.uint8, device=device)
         self.state = {n: torch.empty(0, window, dtype=torch.float32, device=device) for n in self.state_names}

@@ -145,10 +145,23 @@ def budget_bytes(cache: "CompressedCache") -> int:
 
 def full_kv_bytes(cache: "CompressedCache") -> int:
     """Bytes an uncompressed DynamicCache would hold for the same tokens."""
-    return sum(
-        layer.store.batch_size * layer.store.num_kv_heads * layer.seen * layer.store.bytes_per_entry
-        for layer in cache.layers if layer.store is not None
-    )
+    return sum(full_layer_bytes(layer) for layer in cache.layers)
+
+
+def full_layer_bytes(layer) -> int:
+    """Bytes a DynamicCache layer would hold for the tokens this layer has seen (padding included)."""
+    if layer.store is None:
+        return 0
+    return layer.store.batch_size * layer.store.num_kv_heads * layer.seen * layer.store.bytes_per_entry
+
+
+def layer_held_bytes(layer) -> int:
+    """Everything one layer keeps: keys and values over its tiers, their metadata, its remembered queries."""
+    if layer.store is None:
+        return 0
+    tier = getattr(layer, "tier", None)
+    meta = layer.store.meta_bytes() + (tier.meta_bytes() if tier is not None else 0)
+    return layer_kv_bytes(layer) + meta + layer.query_window_bytes()
 
 
 def cache_bytes(cache: Any) -> int:
@@ -157,6 +170,15 @@ def cache_bytes(cache: Any) -> int:
     if hasattr(cache, "kv_bytes"):
         return int(cache.kv_bytes()["total"])
     return layer_tensor_bytes(cache)
+
+
+def peak_after_eviction(cache: Any) -> int:
+    """The most key/value bytes ``cache`` held right after an eviction step: what the budget bounds,
+    the one "max KV bytes" every tool reports. A cache that never evicted (a DynamicCache, or a
+    compressed cache before its first step) reports what it holds now."""
+    if getattr(cache, "eviction_steps", 0):
+        return int(cache.max_kv_bytes)
+    return cache_bytes(cache)
 
 
 def layer_tensor_bytes(cache: Any) -> int:

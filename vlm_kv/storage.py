@@ -100,8 +100,11 @@ class VarlenKVStore:
         self.dtype = dtype
         self.device = device
         self.state_names = tuple(state_names)
-        # decode steps grow the tail buffer by this many tokens at a time (the eviction interval)
+        # decode steps grow the tail buffer by this many tokens at a time (the eviction interval) ...
         self.tail_reserve = max(1, tail_reserve)
+        # ... but never by more spare room than the owner allows (``spare_limit`` tokens per head:
+        # what the budget and the room evictions freed allow, set after every eviction step)
+        self.spare_limit = 0
         rows = batch_size * num_kv_heads
         self.body_keys = torch.empty(0, head_dim, dtype=dtype, device=device)
         self.body_values = torch.empty(0, head_dim, dtype=dtype, device=device)
@@ -119,8 +122,10 @@ class VarlenKVStore:
         rows = lengths.numel()
         self.lengths = lengths
         self.row_starts = torch.cumsum(lengths, 0) - lengths
-        self._rows = torch.repeat_interleave(torch.arange(rows, device=self.device), lengths)
-        self._cols = torch.arange(self._rows.numel(), device=self.device) - self.row_starts[self._rows]
+        # row and column of every body entry, int32 (8 bytes an entry instead of 16: bookkeeping that
+        # grows with the entries counts in the cache's held bytes)
+        self._rows = torch.repeat_interleave(torch.arange(rows, device=self.device, dtype=torch.int32), lengths)
+        self._cols = (torch.arange(self._rows.numel(), device=self.device) - self.row_starts[self._rows]).int()
         lens = lengths.tolist()
         self.max_length = max(lens) if lens else 0
         # Uniform allocations give every head the same length: the body is then a dense
@@ -170,8 +175,10 @@ class VarlenKVStore:
         cap = self._tail_k.shape[2]
         if needed <= cap:
             return
-        # decode steps reserve room up to the next eviction step; a prefill takes what it needs
-        new_cap = max(needed, self.tail_size + self.tail_reserve) if reserve else needed
+        # decode steps reserve room up to the next eviction step (the tail never needs more than
+        # tail_reserve tokens), within the spare room allowed; a prefill takes what it needs
+        spare = self.spare_limit if reserve else 0
+        new_cap = max(needed, min(self.tail_reserve, needed + spare))
         T = self.tail_size
 
         def grow(t: torch.Tensor, dim: int, fill=0) -> torch.Tensor:
@@ -231,6 +238,13 @@ class VarlenKVStore:
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values: the body and the whole tail buffer."""
         return tensor_bytes(self.body_keys, self.body_values, self._tail_k, self._tail_v)
+
+    def slot_bytes(self) -> int:
+        """Bytes one more token of tail capacity allocates: its keys and values in every row, and
+        its position, modality, validity and policy state."""
+        rows = self.batch_size * self.num_kv_heads
+        meta = 4 + 2 * self.batch_size + 4 * rows * len(self.state_names)
+        return rows * self.bytes_per_entry + meta
 
     def unused_bytes(self) -> int:
         """Allocated key/value bytes that hold no entry yet (the tail buffer's spare capacity)."""

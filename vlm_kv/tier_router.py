@@ -41,7 +41,7 @@ from vlm_kv.int2_tier import Int2Tier, NewWindows, SpillCopies
 from vlm_kv.kernels.int2 import INT2_BASES, KEY_GRIDS
 from vlm_kv.ledger import TokenLedger
 from vlm_kv.storage import Entries, PaddedView
-from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups, window_value
+from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups, window_of, window_value
 from vlm_kv import token_routing
 
 
@@ -181,8 +181,18 @@ class _LayerRouting:
     scores: torch.Tensor      # [B, H, Lf + Lq] protected +inf, empty -inf
     positions: torch.Tensor   # [B, H, Lf + Lq]
     valid: torch.Tensor
-    num_windows: int          # windows per row (ceil(seen / w))
+    num_windows: int          # windows per row (ceil(seen / w): the most any sequence has)
     cap: torch.Tensor         # [B] tokens per head this layer may hold
+    origin: torch.Tensor      # [B] position of each sequence's first real token: where its windows start
+    window: int               # tokens per window
+
+    def window_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """Window id of [B, H, L] positions, counted from each sequence's origin."""
+        return window_of(positions, self.origin.view(-1, 1, 1), self.window)
+
+    def incomplete(self, wid: torch.Tensor, seen: int) -> torch.Tensor:
+        """Windows some of whose positions are not seen yet ([B, H, L] ids)."""
+        return (wid + 1) * self.window > seen - self.origin.view(-1, 1, 1)
 
 
 class TierRouter:
@@ -200,7 +210,7 @@ class TierRouter:
         routings = []
         for layer in layers:
             layer_scorer = scorer.for_layer(layer.layer_idx)
-            window = int(evictor.protected(caps, layer_scorer)[1].max()) if caps.numel() else 0
+            window = evictor.protected(caps, layer_scorer)[1]  # each sequence's own, never the batch's
             cap_layer = allocation.for_layer(layer.layer_idx).layer_capacity(layer.layer_idx, num_layers, caps, window)
             fp = layer.store.padded_view(with_values=True, states=states)
             tv = layer.tier.view(states=states, with_values=False, dtype=fp.keys.dtype)
@@ -208,7 +218,9 @@ class TierRouter:
             scores = unsort(evictor.layer_scores(scorer, layer, merged, cap_layer, ledger, num_layers), perm)
             positions = torch.cat([fp.positions, tv.view.positions], dim=2)
             valid = torch.cat([fp.valid, tv.view.valid], dim=2)
-            routings.append(_LayerRouting(fp, tv.slot, scores, positions, valid, -(-layer.seen // w), cap_layer))
+            origin = ledger.first_positions.to(caps.device).clamp(max=layer.seen)
+            routings.append(_LayerRouting(fp, tv.slot, scores, positions, valid, -(-layer.seen // w), cap_layer,
+                                          origin, w))
         if self.config.fp_unit == "token":
             valid = ledger.valid_tokens.to(caps.device).clamp(min=1)
             share = self.config.share_for(caps.double() / valid.double())  # [B]
@@ -237,10 +249,10 @@ class TierRouter:
             b_tok = layer.store.bytes_per_entry
             size = B * H * Wn
             row_id = torch.arange(B * H, device=device).view(B, H, 1)
-            wid = (r.positions.clamp(min=0) // w)
+            wid = r.window_ids(r.positions)
             flat = (row_id * Wn + wid).masked_fill(~r.valid, size)  # empty slots to a dump bin
             count = torch.zeros(size + 1, dtype=torch.long, device=device).index_add_(0, flat.reshape(-1), r.valid.reshape(-1).long())[:size]
-            pinned = r.valid & ((r.scores == float("inf")) | ((wid + 1) * w > seen))
+            pinned = r.valid & ((r.scores == float("inf")) | r.incomplete(wid, seen))
             forced = torch.zeros(size + 1, dtype=torch.bool, device=device).index_put_((flat[pinned],), torch.tensor(True, device=device))[:size]
             reduce = scorer.for_layer(layer.layer_idx).window_reduce
             score = reduce_windows(r.scores.masked_fill(~r.valid, float("-inf")).reshape(-1), flat.reshape(-1).clamp(max=size - 1), size, reduce)
@@ -367,7 +379,7 @@ class TierRouter:
         Lf = r.fp.length
         fp_scores = r.scores[..., :Lf]
         fp_pos, fp_valid = r.fp.positions, r.fp.valid
-        wid = (fp_pos.clamp(min=0) // w).clamp(max=max(Wn - 1, 0))
+        wid = r.window_ids(fp_pos).clamp(max=max(Wn - 1, 0))
         dec_fp = decision.gather(2, wid) if Wn else torch.full_like(fp_pos, EVICT)
         rows_fallback = fallback[..., None]
         keep_fp = fp_valid & (dec_fp == FP) & ~rows_fallback
@@ -394,7 +406,7 @@ class TierRouter:
 
         insert = self._promoted_entries(tier, promote, store.state_names)
         spill = tier.spill is not None
-        demoted = gather_windows(r.fp, demote, w, Wn, store.state_names, tier.rope, keep_original=spill)
+        demoted = gather_windows(r.fp, demote, w, Wn, store.state_names, r.origin, tier.rope, keep_original=spill)
         # which demoted windows have a dormant ledger entry: reuse its codes
         new_windows, refreshed = None, None
         keep = stay | keep_dormant | promote | reactivate

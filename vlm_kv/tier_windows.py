@@ -1,7 +1,10 @@
 """Windows of the tiered cache: ids, score reductions, ranking groups, and gathering entries into windows.
 
-A window is ``w`` consecutive positions of one (batch, kv head) row, id ``position // w``. The
-window router (``tier_router``) and the token-granular router (``token_routing``) share these.
+A window is ``w`` consecutive positions of one (batch, kv head) row, counted from the sequence's
+first real token: id ``(position - origin) // w`` with ``origin`` that token's position
+(``TokenLedger.first_positions``). So a sequence's windows hold the same tokens whatever padding
+its batch puts before them. The window router (``tier_router``) and the token-granular router
+(``token_routing``) share these.
 """
 
 from __future__ import annotations
@@ -13,6 +16,12 @@ import torch
 from vlm_kv.storage import PaddedView
 
 FP, INT2, EVICT = 0, 1, 2
+
+
+def window_of(positions: torch.Tensor, origin: torch.Tensor, w: int) -> torch.Tensor:
+    """Window id of each position (``origin`` broadcasts: [B, 1, 1] for [B, H, L] positions, or
+    one value per entry); padding and empty slots (before the origin) land in window 0."""
+    return torch.div((positions - origin).clamp(min=0), w, rounding_mode="floor")
 
 
 def reduce_windows(scores: torch.Tensor, flat_window: torch.Tensor, size: int, how: str) -> torch.Tensor:
@@ -58,20 +67,21 @@ def row_groups(mode: str, layer: int, B: int, H: int, device: torch.device) -> t
     return layer * B * H + rows
 
 
-def gather_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names,
+def gather_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names, origin: torch.Tensor,
                    rope=None, keep_original: bool = False) -> "WindowEntries | None":
-    """The FP entries marked in ``demote``, gathered per window ([n, w, ...], by slot);
-    with ``keep_original`` also the keys as cached (post-RoPE) for the spill tier."""
+    """The FP entries marked in ``demote``, gathered per window ([n, w, ...], by slot; ``origin`` [B]:
+    each sequence's first real position); with ``keep_original`` also the keys as cached (post-RoPE)
+    for the spill tier."""
     b, h, l = torch.nonzero(demote, as_tuple=True)
     if b.numel() == 0:
         return None
     H = fp.keys.shape[1]
     pos = fp.positions[b, h, l]
     row = b * H + h
-    wid = pos // w
+    wid = window_of(pos, origin[b], w)
     key, inverse = torch.unique(row * Wn + wid, return_inverse=True)
     n = key.numel()
-    slot = pos - wid * w
+    slot = pos - origin[b] - wid * w
     D = fp.keys.shape[-1]
     dev = fp.keys.device
     cached_keys = fp.keys[b, h, l]

@@ -31,7 +31,7 @@ import torch
 from vlm_kv.allocation import HeadAdaptive, top_k_mask
 from vlm_kv.int2_tier import Int2Tier, NewWindows, SpillCopies
 from vlm_kv.storage import Entries
-from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups
+from vlm_kv.tier_windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups, window_of
 
 
 def _segment_counts(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -64,11 +64,11 @@ def decide_entries(config, layers: Sequence, routings: Sequence, allocation, sco
         row_batch.append(torch.arange(B * H, device=device) // H)
         row_bytes.append(r.cap.view(B, 1).expand(B, H).reshape(-1) * layer.store.bytes_per_entry)
         row_id = torch.arange(B * H, device=device).view(B, H, 1)
-        wid = r.positions.clamp(min=0) // w
+        wid = r.window_ids(r.positions)
         flat = (row_id * Wn + wid).reshape(-1)
         valid = r.valid.reshape(-1)
         scores = r.scores.reshape(-1)
-        pinned = valid & ((scores == float("inf")) | ((wid + 1) * w > layer.seen).reshape(-1))
+        pinned = valid & ((scores == float("inf")) | r.incomplete(wid, layer.seen).reshape(-1))
         idx = torch.nonzero(valid).flatten()
         ent["group"].append(groups_of_rows[flat[idx] // Wn])
         ent["score"].append(scores[idx])
@@ -242,7 +242,7 @@ def apply_entries(config, layer, r, decision: torch.Tensor, fallback: torch.Tens
     def ledger_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, h, l = torch.nonzero(mask, as_tuple=True)
         p = r.fp.positions[b, h, l]
-        return lookup[(b * H + h) * Wn + p // w], p, (b, h, l)
+        return lookup[(b * H + h) * Wn + window_of(p, r.origin[b], w)], p, (b, h, l)
 
     new_pos = torch.full((n, w), -1, dtype=tier.positions.dtype, device=dev)
     new_mod = tier.modality.clone()
@@ -253,7 +253,7 @@ def apply_entries(config, layer, r, decision: torch.Tensor, fallback: torch.Tens
     li, p, (b, h, l) = ledger_index(demote)
     reused = li >= 0
     if bool(reused.any()):
-        at = li[reused] * w + p[reused] % w
+        at = li[reused] * w + (p[reused] - r.origin[b[reused]]) % w  # the entry's slot in its window
         new_pos.view(-1)[at] = p[reused].to(new_pos.dtype)
         new_mod.view(-1)[at] = r.fp.modality[b, h, l][reused]
         for k in new_state:
@@ -271,10 +271,11 @@ def apply_entries(config, layer, r, decision: torch.Tensor, fallback: torch.Tens
     new_windows = None
     fresh = ~reused
     if bool(fresh.any()):
-        fresh_key = torch.unique(((b * H + h) * Wn + p // w)[fresh])
-        all_key = (row_of * Wn + r.fp.positions.clamp(min=0) // w)
+        fresh_key = torch.unique(((b * H + h) * Wn + window_of(p, r.origin[b], w))[fresh])
+        all_key = (row_of * Wn + r.window_ids(r.fp.positions))
         members = (keep_fp | demote) & torch.isin(all_key, fresh_key)
-        win = gather_windows(r.fp, members, w, Wn, store.state_names, tier.rope, keep_original=tier.spill is not None)
+        win = gather_windows(r.fp, members, w, Wn, store.state_names, r.origin, tier.rope,
+                             keep_original=tier.spill is not None)
         demoted_key = (((b * H + h) * Wn) * w + p)[fresh]  # row * Wn * w + position
         slot_key = ((win.row * Wn)[:, None] * w + win.positions.long())
         attended = (win.positions >= 0) & torch.isin(slot_key, demoted_key)

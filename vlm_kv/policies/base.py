@@ -23,7 +23,8 @@ class ScoreContext:
     scaling: float | None
     seen: int                              # tokens seen so far (the next position)
     capacity: torch.Tensor                 # [B] average tokens per head this step keeps
-    generator: torch.Generator | None = None
+    # random draws: one generator per sequence (each draws what it would alone), or one for all
+    generator: "torch.Generator | list[torch.Generator] | None" = None
 
     def window_attention(self) -> torch.Tensor:
         """Attention of the remembered queries on every entry, summed over queries: [B, H, g, L]."""

@@ -297,7 +297,7 @@ class _LayerShare(Allocation):
         self.layer_idx = layer_idx
         self.inner = inner
 
-    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: int) -> torch.Tensor:
+    def layer_capacity(self, layer_idx: int, num_layers: int, cap: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         return self.step.capacities(cap, num_layers)[:, self.layer_idx]
 
     def keep_layer(self, scores: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
