@@ -130,10 +130,15 @@ def _placeholder_ids(model, processor) -> list[int]:
 
 
 def _kv_bytes(cache) -> dict[str, Any] | None:
+    """The cache's ``kv_bytes()`` after a turn, with ``max_after_eviction``: the most key/value bytes
+    it held right after an eviction step so far (``vlm_kv.report.peak_after_eviction``)."""
+    from vlm_kv.report import peak_after_eviction
+
     fn = getattr(cache, "kv_bytes", None)
     if callable(fn):
         out = fn()
-        return dict(out) if isinstance(out, dict) else {"total": out}
+        out = dict(out) if isinstance(out, dict) else {"total": out}
+        return {**out, "max_after_eviction": peak_after_eviction(cache)}
     return None
 
 
@@ -675,11 +680,13 @@ def summarize(
         )
     kv_final = [rs[-1].get("kv_bytes") for rs in answers.values() if rs]
     kv_final = [k for k in kv_final if isinstance(k, dict) and k.get("total") is not None]
-    kv_turns = [r["kv_bytes"]["total"] for r in answered if isinstance(r.get("kv_bytes"), dict) and r["kv_bytes"].get("total") is not None]
+    kv_records = [r["kv_bytes"] for r in answered if isinstance(r.get("kv_bytes"), dict) and r["kv_bytes"].get("total") is not None]
+    kv_turns = [k["total"] for k in kv_records]
     summary["kv_bytes"] = (
         {
             "mean_per_turn_total": mean(kv_turns),
             "max_per_turn_total": max(kv_turns) if kv_turns else None,
+            "max_after_eviction": max(k.get("max_after_eviction", k["total"]) for k in kv_records),
             "mean_dialog_final_total": mean(k["total"] for k in kv_final),
         }
         if kv_turns

@@ -45,9 +45,9 @@ def score_answer(answer: str, code: str) -> bool:
 
 
 def cache_bytes(cache) -> tuple[int, int]:
-    """(bytes held now, peak bytes) of a compressed cache or a DynamicCache."""
-    held = report.cache_bytes(cache)
-    return held, int(max(getattr(cache, "max_kv_bytes", held) or 0, held))
+    """(key/value bytes held now, the most held right after an eviction step) of a compressed cache
+    or a DynamicCache (``vlm_kv.report.peak_after_eviction``)."""
+    return report.cache_bytes(cache), report.peak_after_eviction(cache)
 
 
 def _read_text(path: str) -> str:

@@ -9,8 +9,9 @@ the task once with the full cache (the *reference*, stored apart from the grid r
 
 ``sweep_<task>.json``
     ``{"task", "settings", "reference", "rows"}``: one row per (policy, budget) with the task's
-    metrics, ``kv_bytes`` (held after the run), ``max_kv_bytes``, ``full_kv_bytes``,
-    ``kv_fraction``, ``seconds`` and ``error`` (null when fine).
+    metrics, the KV byte columns (``sweep_table.KV_COLUMNS``, the same for every task:
+    ``kv_bytes_at_end``, ``max_kv_bytes_after_eviction``, ``full_kv_bytes_at_end``,
+    ``kv_fraction_at_end``), ``seconds`` and ``error`` (null when fine).
 ``sweep_<task>.csv``
     the same rows, scalar columns only.
 ``sweep_<task>_<metric>_vs_budget.png`` / ``sweep_<task>_<metric>_vs_kv_bytes.png``
@@ -122,7 +123,6 @@ def run_sweep(
             bar.set_postfix_str("full cache")
             t0 = time.perf_counter()
             ref = finalize_row(task.reference(), *FULL_ROW, None, time.perf_counter() - t0)
-            ref["full_kv_bytes"], ref["kv_fraction"] = ref.get("kv_bytes"), 1.0 if ref.get("kv_bytes") else None
             state["reference"] = ref
             save_table(task, json_path, csv_path, state)
             bar.update(1)

@@ -18,6 +18,7 @@ import sys
 
 from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
 from vlm_kv.cli_options import add_tier_args, tier_kwargs
+from vlm_kv.eval.sweep_table import FRACTION_AT_END
 
 __all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
 
@@ -174,13 +175,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     task = build_task(args)
     result = run_sweep(task, args.policies, args.budgets, args.out, progress=not args.no_progress)
     keys = [m.key for m in task.metrics]
-    header = ["policy", "budget", *keys, "kv_fraction"]
+    header = ["policy", "budget", *keys, FRACTION_AT_END]
     lines = [header]
     if result.reference:
         lines.append(["full", "1.0", *[_fmt(result.reference.get(k)) for k in keys], "1"])
     for r in result.rows:
         lines.append([r["policy"], _fmt(r["budget"]), *[_fmt(r.get(k)) for k in keys],
-                      "error" if r.get("error") else _fmt(r.get("kv_fraction"))])
+                      "error" if r.get("error") else _fmt(r.get(FRACTION_AT_END))])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     for line in lines:
         print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from vlm_kv.eval.sweep_table import KV_AT_END
+
 __all__ = ["write_plots"]
 
 
@@ -55,15 +57,15 @@ def write_plots(task, state: dict, out_dir: str | os.PathLike) -> list[Path]:
             fig = Figure(figsize=(9.0, 4.8), dpi=110)
             FigureCanvasAgg(fig)
             ax = fig.add_subplot(1, 1, 1)
-            kv_values = [float(r["kv_bytes"]) for r in rows if r.get("kv_bytes") is not None]
-            if ref.get("kv_bytes") is not None:
-                kv_values.append(float(ref["kv_bytes"]))
+            kv_values = [float(r[KV_AT_END]) for r in rows if r.get(KV_AT_END) is not None]
+            if ref.get(KV_AT_END) is not None:
+                kv_values.append(float(ref[KV_AT_END]))
             scale, unit = _bytes_unit(kv_values)
             for policy in policies:
                 pts = []
                 for r in rows:
                     y = r.get(metric.key)
-                    x = r.get("budget") if axis == "budget" else r.get("kv_bytes")
+                    x = r.get("budget") if axis == "budget" else r.get(KV_AT_END)
                     if r["policy"] != policy or y is None or x is None:
                         continue
                     pts.append((float(x) if axis == "budget" else float(x) / scale, float(y)))
@@ -81,13 +83,13 @@ def write_plots(task, state: dict, out_dir: str | os.PathLike) -> list[Path]:
                     ref_y = None
             if ref_y is not None:
                 ax.axhline(float(ref_y), color="black", linestyle="--", linewidth=1.2, label="full cache")
-                if axis == "kv_bytes" and ref.get("kv_bytes") is not None:
-                    ax.plot([float(ref["kv_bytes"]) / scale], [float(ref_y)], marker="*", markersize=12,
+                if axis == "kv_bytes" and ref.get(KV_AT_END) is not None:
+                    ax.plot([float(ref[KV_AT_END]) / scale], [float(ref_y)], marker="*", markersize=12,
                             color="black", linestyle="none")
             if axis == "budget":
                 ax.set_xlabel(_budget_label([r["budget"] for r in rows]))
             else:
-                ax.set_xlabel(f"KV cache held ({unit})")
+                ax.set_xlabel(f"KV bytes at the end of a run ({unit})")
             better = "lower is better" if not metric.higher_is_better else "higher is better"
             ax.set_ylabel(f"{metric.label}\n({better})")
             title = f"{task.name}: {metric.key} vs {'budget' if axis == 'budget' else 'KV bytes'}"

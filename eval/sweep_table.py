@@ -15,11 +15,19 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["FULL_ROW", "KV_COLUMNS", "budget_key", "clean", "load_table", "table_paths", "save_table",
+__all__ = ["FULL_ROW", "KV_COLUMNS", "KV_AT_END", "KV_AFTER_EVICTION", "FULL_AT_END", "FRACTION_AT_END", "budget_key", "clean", "load_table", "table_paths", "save_table",
            "finalize_row", "ordered_rows"]
 
 FULL_ROW = ("full", 1.0)
-KV_COLUMNS = ("kv_bytes", "max_kv_bytes", "full_kv_bytes", "kv_fraction")
+# The KV byte columns of every task, one definition each, said by the name (key/value bytes only;
+# for tasks of several runs, the mean over runs at the end, the max over runs after eviction):
+KV_AT_END = "kv_bytes_at_end"                     # held when a run ends (the last token fed / generated)
+KV_AFTER_EVICTION = "max_kv_bytes_after_eviction"  # most held right after an eviction step: what the budget bounds
+FULL_AT_END = "full_kv_bytes_at_end"              # the full cache's kv_bytes_at_end (the reference row)
+FRACTION_AT_END = "kv_fraction_at_end"            # kv_bytes_at_end / full_kv_bytes_at_end
+KV_COLUMNS = (KV_AT_END, KV_AFTER_EVICTION, FULL_AT_END, FRACTION_AT_END)
+# what the tasks call them (vlm_kv.fidelity, retrieval, the KV meter of mathvision / mmdu)
+_TASK_KV_KEYS = {"kv_bytes": KV_AT_END, "max_kv_bytes": KV_AFTER_EVICTION, "held_bytes": "held_bytes_at_end"}
 
 
 def budget_key(policy: str, budget) -> str:
@@ -91,13 +99,16 @@ def save_table(task, json_path: Path, csv_path: Path, state: dict) -> None:
 
 
 def finalize_row(row: dict, policy: str, budget, reference: dict | None, seconds: float | None) -> dict:
+    """A task's row as a table row: its KV bytes under the table's column names (``KV_COLUMNS``),
+    the full cache's from ``reference`` (None: this row is the reference)."""
     out = {"policy": policy, "budget": budget}
-    out.update({k: v for k, v in row.items() if k not in ("policy", "budget")})
-    full = (reference or {}).get("kv_bytes")
-    if full is not None:
-        out["full_kv_bytes"] = full
-    kv = out.get("kv_bytes")
-    out["kv_fraction"] = (kv / out["full_kv_bytes"]) if kv is not None and out.get("full_kv_bytes") else None
+    for k, v in row.items():
+        if k not in ("policy", "budget", "full_kv_bytes"):
+            out[_TASK_KV_KEYS.get(k, k)] = v
+    kv = out.get(KV_AT_END)
+    full = kv if reference is None else reference.get(KV_AT_END, row.get("full_kv_bytes"))
+    out[FULL_AT_END] = full
+    out[FRACTION_AT_END] = (kv / full) if kv is not None and full else None
     if seconds is not None:
         out["seconds"] = round(seconds, 3)
     out.setdefault("error", None)

@@ -330,7 +330,9 @@ class MMDUTask:
         for row in todo:
             folder = Path(row["run_dir"])
             judge_answers(judge, folder, dialog_ids=ids, progress=self.progress)
-            row.update(self._row(summarize(folder, self.data, judge_info=info), folder, judged=True))
+            scored = self._row(summarize(folder, self.data, judge_info=info), folder, judged=True)
+            # the row's KV byte columns were set when it was answered; judging does not move them
+            row.update({k: v for k, v in scored.items() if k not in ("kv_bytes", "max_kv_bytes")})
 
     def _row(self, summary: dict, folder: Path, judged: bool) -> dict:
         scores = (summary.get("scores") or {}).get("all") or {}
@@ -344,7 +346,7 @@ class MMDUTask:
             "n_judged": summary.get("n_judged"),
             "n_parse_failures": summary.get("n_parse_failures"),
             "kv_bytes": kv.get("mean_per_turn_total"),
-            "max_kv_bytes": kv.get("max_per_turn_total"),
+            "max_kv_bytes": kv.get("max_after_eviction"),
             "judged": judged,
             "run_dir": str(folder),
         }

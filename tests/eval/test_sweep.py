@@ -51,7 +51,7 @@ def test_fidelity_sweep_writes_table_plots_and_resumes(tiny, text_file, tmp_path
     lines = _csv_rows(result.csv_path)
     assert len(lines) == 5  # header + one row per (policy, budget)
     header = lines[0]
-    assert header[:4] == ["policy", "budget", "kl", "top1"] and "kv_bytes" in header and "error" in header
+    assert header[:4] == ["policy", "budget", "kl", "top1"] and "kv_bytes_at_end" in header and "error" in header
     assert {(r[0], float(r[1])) for r in lines[1:]} == {(p, b) for p in POLICIES for b in BUDGETS}
 
     table = json.loads(result.json_path.read_text())
@@ -62,11 +62,11 @@ def test_fidelity_sweep_writes_table_plots_and_resumes(tiny, text_file, tmp_path
     for row in table["rows"]:
         assert row["error"] is None
         assert row["kl"] >= 0 and 0 <= row["top1"] <= 1
-        assert row["full_kv_bytes"] == ref["kv_bytes"]
-        assert 0 < row["kv_bytes"] < row["full_kv_bytes"]
-        assert row["kv_fraction"] == pytest.approx(row["kv_bytes"] / row["full_kv_bytes"])
+        assert row["full_kv_bytes_at_end"] == ref["kv_bytes_at_end"]
+        assert 0 < row["kv_bytes_at_end"] < row["full_kv_bytes_at_end"]
+        assert row["kv_fraction_at_end"] == pytest.approx(row["kv_bytes_at_end"] / row["full_kv_bytes_at_end"])
     by = {(r["policy"], r["budget"]): r for r in table["rows"]}
-    assert by[("snapkv", 0.5)]["kv_bytes"] < by[("snapkv", 0.75)]["kv_bytes"]
+    assert by[("snapkv", 0.5)]["kv_bytes_at_end"] < by[("snapkv", 0.75)]["kv_bytes_at_end"]
 
     names = sorted(p.name for p in result.plots)
     assert names == sorted(f"sweep_fidelity_{m}_vs_{a}.png" for m in ("kl", "top1") for a in ("budget", "kv_bytes"))
@@ -122,7 +122,7 @@ def test_value_errors_become_error_rows_and_are_retried(tmp_path):
     assert [k for k, _ in res.errors] == ["trimkv@0.1", "trimkv@0.5"]
     rows = {(r["policy"], r["budget"]): r for r in res.rows}
     assert "gates" in rows[("trimkv", 0.1)]["error"] and rows[("trimkv", 0.1)]["score"] is None
-    assert rows[("snapkv", 0.5)]["kv_fraction"] == pytest.approx(0.5)
+    assert rows[("snapkv", 0.5)]["kv_fraction_at_end"] == pytest.approx(0.5)
     lines = _csv_rows(res.csv_path)
     assert len(lines) == 5 and "extra" not in lines[0]  # nested values stay in the JSON only
 
@@ -182,6 +182,26 @@ def test_retrieval_on_tiny_model(tiny, text_file):
     assert res["kv_bytes"] < res["full_kv_bytes"]
     with pytest.raises(ValueError, match="other settings"):
         retrieval(model, tok, text_file, 96, "streaming_llm", 0.5, depths=(0.2,), trials=2, reference=full)
+
+
+def test_every_task_reports_the_kv_columns_with_one_definition(tiny, text_file, tmp_path):
+    # fidelity and retrieval tables: the same columns, and "after eviction" is what the budget
+    # bounds in both (the bytes at the end carry the tokens fed since the last eviction step)
+    from vlm_kv.eval.sweep_table import KV_COLUMNS
+
+    model, tok = tiny
+    budget = 0.25
+    tasks = [_fidelity_task(tiny, text_file),
+             sw.RetrievalTask(model, tok, text_file, 96, depths=(0.5,), trials=2, max_new_tokens=12)]
+    for task in tasks:
+        result = sw.run_sweep(task, ["streaming_llm"], [budget], tmp_path / task.name, progress=False, plots=False)
+        header = _csv_rows(result.csv_path)[0]
+        assert all(column in header for column in KV_COLUMNS), header
+        (row,) = result.rows
+        assert row["max_kv_bytes_after_eviction"] <= budget * row["full_kv_bytes_at_end"]
+        assert row["kv_bytes_at_end"] > row["max_kv_bytes_after_eviction"]  # decoded since the last step
+    for record in row["records"]:  # retrieval: every trial's own cache, against its own full cache
+        assert record["max_kv_bytes"] <= budget * record["full_kv_bytes"]
 
 
 def test_sweep_cli_runs_a_retrieval_sweep(tiny, text_file, tmp_path, monkeypatch, capsys):
@@ -244,7 +264,7 @@ def test_mathvision_sweep_on_a_tiny_vlm(tiny_vlm, shared_data, tmp_path):
     assert ref["n_problems"] == 2 and ref["accuracy_all"].startswith(f"{ref['n_correct']}/2=")
     assert (tmp_path / "mathvision" / "full_1.0" / "mathvision_result.json").exists()
     for row in res.rows:
-        assert 0 <= row["accuracy"] <= 1 and 0 < row["kv_bytes"] < ref["kv_bytes"] == row["full_kv_bytes"]
+        assert 0 <= row["accuracy"] <= 1 and 0 < row["kv_bytes_at_end"] < ref["kv_bytes_at_end"] == row["full_kv_bytes_at_end"]
     assert len(_csv_rows(res.csv_path)) == 3
     assert {p.name for p in res.plots} == {"sweep_mathvision_accuracy_vs_budget.png",
                                            "sweep_mathvision_accuracy_vs_kv_bytes.png"}
@@ -276,7 +296,7 @@ def test_mmdu_sweep_answers_then_judges_every_cell(tiny_vlm, tmp_path):
     no_judge = sw.MMDUTask(lambda: tiny_vlm, data, out, judge=None, max_new_tokens=3, model_name="tiny-qwen")
     first = sw.run_sweep(no_judge, ["snapkv"], [48], out, progress=False, plots=False)
     assert [m.key for m in no_judge.metrics] == ["rouge_l"] and first.rows[0]["overall"] is None
-    assert first.reference["kv_bytes"] > first.rows[0]["kv_bytes"] > 0  # the full cache is metered too
+    assert first.reference["kv_bytes_at_end"] > first.rows[0]["kv_bytes_at_end"] > 0  # the full cache is metered too
 
     # same folder, now with a judge: nothing is generated again, every cell (and the reference) is judged
     judged = sw.MMDUTask(lambda: pytest.fail("the answering model is not needed"), data, out, judge=judge,
