@@ -18,7 +18,9 @@ resumed run sees exactly the data it would have seen):
 Every ``save_every`` steps a checkpoint (trainable weights, optimizer, stage, step) goes to
 ``OUT/checkpoint.pt`` (written atomically); ``metrics.jsonl`` gets a line per step and one per
 evaluation (held-out data seed ``eval_seed``, greedy answers, exact match). The end writes the
-trained parts to ``OUT/final/`` with ``card.json``. Rerunning the same command resumes.
+trained parts to ``OUT/final/`` with ``card.json``, and the end of the patch stage writes them to
+``OUT/stage1/``. Rerunning the same command resumes; ``stage1_weights`` starts a new folder at
+the QA stage from a ``stage1/`` folder (exactly where the uninterrupted run would be).
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ import torch.nn.functional as F
 
 from vlm_kv.dataclass_cli import setting
 from vlm_kv.models.smollava import (IMAGE_TOKEN, IMAGE_TOKEN_ID, IMAGE_TOKENS, SYSTEM_PROMPT, build_smollava,
-                                    pixel_values, save_trained_parts)
+                                    load_trained_parts, pixel_values, save_trained_parts)
 from vlm_kv.train.vlm_tasks import (GRID, IMAGE_MARK, TRAIN_SEED, Item, answer_matches, draw_scene, make_item)
 
 IGNORE = -100
 CHECKPOINT = "checkpoint.pt"
+STAGE1 = "stage1"  # trained parts at the end of the patch stage
 METRICS = "metrics.jsonl"
 
 
@@ -70,6 +73,7 @@ class VLMTrainConfig:
     eval_seed: int = setting(1, "held-out data seed of those evaluations (training uses seed 0)")
     threads: int = setting(0, "torch threads (0: torch's default)")
     stop_at: int = setting(0, "stop after this many steps in all, checkpointed (0: run to the end)")
+    stage1_weights: str = setting("", "start at the QA stage from these trained parts (a stage1/ folder)")
     progress: bool = setting(True, "show a progress bar")
 
     def validate(self) -> None:
@@ -332,6 +336,12 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         opt.load_state_dict(state["optimizer"])
         done = state["done"]
         _truncate_metrics(out / METRICS, done)
+    elif cfg.stage1_weights:
+        # the QA stage starts with a fresh optimizer and its data is a function of the step, so
+        # the weights at the end of the patch stage are all a run needs to continue from there
+        load_trained_parts(model, cfg.stage1_weights)
+        done = cfg.patch_steps
+        _truncate_metrics(out / METRICS, done)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
     end = cfg.total_steps if not cfg.stop_at else min(cfg.total_steps, cfg.stop_at)
     bar = None
@@ -387,6 +397,8 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
                 model.train()
                 metrics.write(json.dumps({"step": done, "eval": last_eval}) + "\n")
                 metrics.flush()
+            if done == cfg.patch_steps:
+                save_trained_parts(model, out / STAGE1)
             if done % cfg.save_every == 0 or done == end:
                 _save(ckpt_path, {"trainable": {k: v for k, v in model.state_dict().items()
                                                 if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))},

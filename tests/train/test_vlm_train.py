@@ -98,3 +98,18 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
 def test_config_is_checked(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, **bad).validate()
+
+
+def test_stage1_weights_continue_exactly_where_the_run_would(tokenizer, tmp_path):
+    model_a, proc_a = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "a"), model_a, proc_a)
+    assert (tmp_path / "a" / V.STAGE1 / S.WEIGHTS_FILE).is_file()
+    model_b, proc_b = _tiny(tokenizer)
+    with torch.no_grad():  # another starting tower: every trained weight must come from stage1/
+        for p in V._trainable(model_b):
+            p.add_(torch.randn_like(p))
+    V.train_vlm(_cfg(tmp_path / "b", stage1_weights=str(tmp_path / "a" / V.STAGE1)), model_b, proc_b)
+    for (name, a), b in zip(S.trained_state(model_a).items(), S.trained_state(model_b).values()):
+        torch.testing.assert_close(a, b, msg=name)
+    steps = [json.loads(x).get("stage") for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert "patch" not in steps

@@ -160,8 +160,7 @@ def load_trained_parts(model, folder: str | os.PathLike) -> None:
     if missing or unexpected:
         raise ValueError(f"{path}: does not match the smollava tower (missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
-    dtype = next(model.parameters()).dtype
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    model.load_state_dict(state, strict=False)  # copied into each parameter's own dtype
 
 
 def has_shipped_weights() -> bool:
