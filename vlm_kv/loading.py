@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 _NO_VIDEO_CLASSES: dict = {}
+# a folder saved without a video processor on purpose (``vlm_kv.testing.save_tiny_vlm``) says so here,
+# so loading it image-only is what was asked for, not a loss worth a warning
+IMAGE_ONLY_MARKER = "vlm_kv_image_only.json"
 
 
 def without_video_processor(cls):
@@ -51,19 +54,22 @@ def without_video_processor(cls):
 def load_processor(path: str | os.PathLike):
     """``AutoProcessor.from_pretrained(path)``; when only its video processor cannot load
     (torchvision missing or broken, or no video config saved), the same processor without
-    video, with a warning: images and text work, video inputs raise in the processor."""
+    video, with a warning saying how to get video back: images and text work, video inputs
+    raise in the processor. A folder marked image-only (``IMAGE_ONLY_MARKER``) loads so silently."""
     import warnings
 
     import transformers
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     path = str(path)
+    image_only = os.path.isfile(os.path.join(path, IMAGE_ONLY_MARKER))
     try:
-        return AutoProcessor.from_pretrained(path)
+        if not image_only:
+            return AutoProcessor.from_pretrained(path)
     except (OSError, ImportError, ValueError) as exc:
         if "video" not in str(exc).lower() and "torchvision" not in str(exc).lower():
             raise
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0].split(". ")[0]
     with open(os.path.join(path, "processor_config.json"), encoding="utf-8") as fh:
         name = json.load(fh).get("processor_class")
     cls = getattr(transformers, str(name), None)
@@ -72,9 +78,18 @@ def load_processor(path: str | os.PathLike):
     tokenizer = AutoTokenizer.from_pretrained(path)
     processor = without_video_processor(cls)(image_processor=AutoImageProcessor.from_pretrained(path),
                                              tokenizer=tokenizer, chat_template=tokenizer.chat_template)
-    warnings.warn(f"{path}: loaded {name} without its video processor ({reason}); video inputs are unavailable",
-                  RuntimeWarning, stacklevel=2)
+    if not image_only:
+        warnings.warn(_no_video_message(path, str(name), reason), RuntimeWarning, stacklevel=2)
     return processor
+
+
+def _no_video_message(path: str, name: str, reason: str) -> str:
+    """What happened, what still works, and what to do to feed videos."""
+    return (f"{path}: loaded {name} without its video processor ({reason}). Images and text work; video "
+            f"inputs raise. To feed videos: install a torchvision build that loads beside torch "
+            f"{torch.__version__} (transformers' video processors need it) and keep the checkpoint's video "
+            f"processor config (video_preprocessor_config.json) in the folder. A folder meant for images only "
+            f"can say so with an empty {IMAGE_ONLY_MARKER} file, which silences this warning.")
 
 
 def is_vlm_folder(path: str | os.PathLike) -> bool:

@@ -678,7 +678,10 @@ def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16, co
 
 def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
     """Save ``tiny_model(family)`` and ``tiny_processor(family)`` to ``folder`` like a checkpoint
-    (the stock processor class name, so ``vlm_kv.loading.load_vlm`` / AutoProcessor find it)."""
+    (the stock processor class name, so ``vlm_kv.loading.load_vlm`` / AutoProcessor find it).
+    Families whose tiny processor has no video processor (Qwen VL, OneVision: video processors
+    need torchvision) are marked image-only (``vlm_kv.loading.IMAGE_ONLY_MARKER``), so loading
+    the folder gives that processor without a warning."""
     import json
     import os
 
@@ -696,6 +699,11 @@ def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
     cfg["processor_class"] = stock.__name__
     with open(cfg_path, "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=2)
+    if stock is not cls:  # saved without its video processor: say it is image-only on purpose
+        from vlm_kv.loading import IMAGE_ONLY_MARKER
+
+        with open(os.path.join(folder, IMAGE_ONLY_MARKER), "w", encoding="utf-8") as fh:
+            fh.write("{}\n")
     return folder
 
 
