@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from vlm_kv.dataclass_cli import setting
-from vlm_kv.models.smollava import (IMAGE_TOKEN, IMAGE_TOKEN_ID, IMAGE_TOKENS, SYSTEM_PROMPT, build_smollava,
+from vlm_kv.models.smollava import (IMAGE_TOKEN, IMAGE_TOKENS, SYSTEM_PROMPT, build_smollava,
                                     load_trained_parts, pixel_values, save_trained_parts)
-from vlm_kv.train.vlm_tasks import (GRID, IMAGE_MARK, TRAIN_SEED, Item, answer_matches, draw_scene, make_item)
+from vlm_kv.train.vlm_tasks import (IMAGE_MARK, TRAIN_SEED, Item, answer_matches, draw_scene, make_item)
 
 IGNORE = -100
 CHECKPOINT = "checkpoint.pt"
