@@ -19,8 +19,24 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
-from vlm_kv.cli_options import add_tier_args, tier_kwargs
+from vlm_kv.arguments.subcommands import add_unavailable
+from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
+from vlm_kv.config import BUDGET_HELP
+from vlm_kv.config import budget_arg as parse_budget
+from vlm_kv.eval.benchmark_args import (
+    add_num_processes,
+    add_pixel_limits,
+    relaunch_args,
+)
+from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
+from vlm_kv.eval.mathvision_run import RESULT_FILE, run_mathvision
+from vlm_kv.eval.mathvision_score import (
+    have_latex2sympy,
+    read_jsonl_rows,
+    score_responses,
+)
+from vlm_kv.eval.shard import current_shard, launch, run_mathvision_sharded
+from vlm_kv.models.loading import load_vlm
 
 __all__ = ["parse_budget", "register"]
 
@@ -33,9 +49,6 @@ __all__ = ["parse_budget", "register"]
 
 
 def cmd_mathvision_score(args: argparse.Namespace) -> int:
-    from .mathvision_data import load_problems
-    from .mathvision_score import have_latex2sympy, read_jsonl_rows, score_responses
-
     problems = load_problems(args.problems, split=args.split, require_images=False)
     rows, bad_lines = read_jsonl_rows(args.responses)
     for err in bad_lines[:10]:
@@ -79,31 +92,7 @@ def _default_out(args: argparse.Namespace) -> str:
     return os.path.join("runs", "mathvision", f"{model}_{args.policy}_{args.budget}_{args.prompt}")
 
 
-def relaunch_args(args: argparse.Namespace) -> list[str] | None:
-    """With ``--num-processes N > 1`` outside a distributed launch: the command line that
-    ``python -m vlm_kv.eval`` needs to rerun this sub-command (without --num-processes)."""
-    n = getattr(args, "num_processes", None)
-    if not n or n <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return None
-    parser = args.parser
-    argv = [args.eval_command]
-    for action in parser._actions:
-        if action.dest in ("help", "num_processes", "parser", "func") or not action.option_strings:
-            continue
-        value = getattr(args, action.dest, None)
-        if isinstance(action, argparse._StoreTrueAction):
-            if value:
-                argv.append(action.option_strings[0])
-        elif value is not None and value != action.default:
-            argv += [action.option_strings[0], str(value)]
-    return argv
-
-
 def cmd_mathvision(args: argparse.Namespace) -> int:
-    from .mathvision_data import default_data_dir, load_problems
-    from .mathvision_run import RESULT_FILE, run_mathvision
-    from .shard import current_shard, launch, run_mathvision_sharded
-
     relaunch = relaunch_args(args)
     if relaunch is not None:
         return launch(args.num_processes, relaunch)
@@ -119,8 +108,6 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
               "(recorded as errors):", file=sys.stderr)
         for pid, err in problems.errors[:10]:
             print(f"  {pid}: {err}", file=sys.stderr)
-
-    from vlm_kv.loading import load_vlm
 
     shard = current_shard()
     model, processor = load_vlm(args.model, args.device or shard.device, args.dtype)
@@ -159,19 +146,6 @@ def cmd_mathvision(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------
-
-
-def add_pixel_limits(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--min-pixels", type=int, default=None,
-                   help="Qwen VL: least pixels per image (qwen-vl-utils' min_pixels, e.g. 200704 = 256*28*28)")
-    p.add_argument("--max-pixels", type=int, default=None,
-                   help="Qwen VL: most pixels per image (qwen-vl-utils' max_pixels, e.g. 1003520 = 1280*28*28)")
-
-
-def add_num_processes(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-processes", type=int, default=None,
-                   help="shard the problems over N processes (one per GPU, or CPU processes) and merge the "
-                   "results into --out, as `accelerate launch --num_processes N -m vlm_kv.eval ...` does")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -227,8 +201,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     try:
         from vlm_kv.eval import mmdu_cli
     except ImportError as exc:  # shown as unavailable, with the reason, rather than hidden
-        from vlm_kv.cli import add_unavailable
-
         add_unavailable(eval_sub, "mmdu", "vlm_kv.eval.mmdu_cli", exc)
     else:
         mmdu_cli.register(eval_sub)

@@ -21,12 +21,20 @@ Definitions and measured numbers: docs/diagnostics.md.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from vlm_kv.api import cache_kwarg, make_cache
+from vlm_kv.cache.cache import CompressedCache
+from vlm_kv.cache.hooks import language_attn_implementation
+from vlm_kv.eval.fidelity import text_tokens
+from vlm_kv.models.adapters import get_adapter
 
 # Default runs a window must stay out of full precision before it counts as "latent": one
 # event out is often a swap at the top-n boundary; two consecutive events (with the default
@@ -313,11 +321,6 @@ def reference_attention(model, ids: torch.Tensor, context: int, progress: bool =
     float16 (steps = ids.shape[1] - context), each query head's probabilities averaged over its
     GQA group; step s's row is zero past position context + s.
     """
-    from transformers import DynamicCache
-
-    from vlm_kv.api import cache_kwarg
-    from vlm_kv.hooks import language_attn_implementation
-    from vlm_kv.models.adapters import get_adapter
 
     if ids.shape[0] != 1:
         raise ValueError(f"diagnostics run one sequence, got a batch of {ids.shape[0]}")
@@ -349,8 +352,6 @@ def build_cache(model, policy: str, budget: float, window: int, tiers: str | Non
                 int2_share: float | None = None, **cache_kwargs):
     """``make_cache`` for a diagnosed run; with ``tiers`` the cache routes by the same ``window``
     the diagnostics count in (passed as window=). Refuses a policy that gives no compressed cache."""
-    from vlm_kv.api import make_cache
-    from vlm_kv.cache import CompressedCache
 
     if int2_share is not None and tiers is None:
         raise ValueError("int2_share needs tiers")
@@ -402,7 +403,6 @@ def record_events(
 @torch.no_grad()
 def feed(model, cache, ids: torch.Tensor, context: int, progress: bool = False, label: str = "") -> None:
     """Prefill ``ids[:, :context]`` into ``cache``, then feed the rest one token at a time."""
-    from vlm_kv.api import cache_kwarg
 
     arg = {cache_kwarg(model): cache}
     model(input_ids=ids[:, :context], **arg, use_cache=True)
@@ -433,7 +433,6 @@ def diagnose(
     tiers / int2_share: a tiered cache (``make_cache(tiers=..., int2_share=..., window=window)``),
     routed by the same windows the diagnostics group positions into; untiered when None.
     """
-    from vlm_kv.fidelity import text_tokens
 
     check_params(context=context, continuation=continuation, horizon=horizon, window=window, lir_m=lir_m)
     ids = text_tokens(tokenizer, text_path, offset, context + continuation)
@@ -541,9 +540,11 @@ def format_table(result: DiagnosticsResult) -> str:
 def plot(results: "DiagnosticsResult | list[DiagnosticsResult]", path: str) -> None:
     """PNG: FMM (window level solid, token level dashed) and churn per event against the decode
     step, one line per result (a list compares policies on the same text)."""
+    # lazy: matplotlib is optional (the eval extra)
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib is optional (the eval extra)
     import matplotlib.pyplot as plt
 
     results = [results] if isinstance(results, DiagnosticsResult) else list(results)
@@ -574,7 +575,6 @@ def plot(results: "DiagnosticsResult | list[DiagnosticsResult]", path: str) -> N
 
 def load_result(path: str) -> DiagnosticsResult:
     """A result written by ``vlm-kv diagnose --json``."""
-    import json
 
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)

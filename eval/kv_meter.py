@@ -8,14 +8,15 @@ previous one held (mean) and its peak. A plain ``DynamicCache`` (the full cache)
 
 from __future__ import annotations
 
-from vlm_kv.report import layer_tensor_bytes
+from vlm_kv.api import make_cache
+from vlm_kv.cache.report import layer_tensor_bytes
+from vlm_kv.eval.retrieval import cache_bytes as _bytes
 
 __all__ = ["CacheMeter", "MeteredDynamicCache", "cache_bytes"]
 
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(bytes held now, peak bytes) of a cache; see ``vlm_kv.eval.retrieval.cache_bytes``."""
-    from vlm_kv.eval.retrieval import cache_bytes as _bytes
 
     return _bytes(cache)
 
@@ -47,8 +48,6 @@ class CacheMeter:
             self.peak.append(peak)
 
     def make(self, model, policy, budget, **kwargs):
-        from vlm_kv.api import make_cache
-
         self._collect()
         cache = make_cache(model, policy=policy, budget=budget, **kwargs)
         if not hasattr(cache, "kv_bytes"):  # the full cache: report its bytes like the others

@@ -10,7 +10,6 @@ point, so lmms-eval's own command line finds the model by name::
 (``python -m vlm_kv.eval.lmms_eval_model ...`` does the same: it registers the class and runs
 lmms-eval's command line). A MathVision task that runs offline: ``vlm_kv.eval.lmms_tasks``.
 From Python::
-
     from vlm_kv.eval.lmms_eval_model import lmms_class
     lm = lmms_class()(pretrained="/models/Qwen2.5-VL-7B-Instruct", policy="snapkv", budget=0.1)
     lmms_eval.evaluator.simple_evaluate(model=lm, tasks=["mme"], batch_size=1)
@@ -21,7 +20,7 @@ tokens per KV head, 256; a bare 1 is refused as ambiguous; default 0.25, and non
 ``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates``, ``strategy`` (polykv), ``tiers`` /
 ``int2_share`` / ``int2_value`` / ``window`` / ``key_rope`` / ``spill`` / ``fp_unit`` / ``key_grid`` / ``basis`` (passed to ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
 ``max_new_tokens`` (default when a task sets none), ``min_pixels`` / ``max_pixels`` (Qwen VL:
-images sized as qwen-vl-utils does, ``vlm_kv.vision_inputs``). It is a "simple" lmms-eval model: requests
+images sized as qwen-vl-utils does, ``vlm_kv.models.vision_inputs``). It is a "simple" lmms-eval model: requests
 carry the prompt text and ``doc_to_visual``; images go before the text in one user turn.
 ``generate_until``: one request at a time, each on a fresh cache. ``generate_until_multi_round``
 (multi-turn tasks): every round of a document is prefilled on top of the same compressed cache,
@@ -36,8 +35,17 @@ import re
 import warnings
 from typing import Any, Mapping
 
-from vlm_kv.api import cache_kwarg
-from vlm_kv.budget import budget_value
+import torch
+from PIL import Image
+from tqdm.auto import tqdm
+
+from vlm_kv.api import cache_kwarg, check_cache_options, make_cache
+from vlm_kv.config import budget_value
+from vlm_kv.eval.mmdu_data import IMAGE_TAG
+from vlm_kv.eval.mmdu_run import DialogRunner
+from vlm_kv.models.loading import load_vlm
+from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
+from vlm_kv.policies import FULL_POLICY, POLICIES
 
 __all__ = [
     "MODEL_NAME",
@@ -145,8 +153,6 @@ def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dic
                       f"known: {', '.join(_LOAD_ARGS + _CACHE_ARGS)}", RuntimeWarning, stacklevel=2)
     if not load.get("pretrained"):
         raise ValueError("vlm_kv lmms-eval model needs pretrained=PATH (a local Qwen2.5-VL or LLaVA folder)")
-    from vlm_kv.api import check_cache_options
-    from vlm_kv.policies import FULL_POLICY, POLICIES
 
     policy = str(cache["policy"])
     if policy != FULL_POLICY and policy not in POLICIES:
@@ -164,8 +170,6 @@ def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dic
 
 
 def _as_images(visuals) -> list:
-    from PIL import Image
-
     out = []
     for v in visuals or []:
         if v is None:
@@ -190,8 +194,6 @@ class VLMKVGenerator:
 
     def __init__(self, model, processor, cache_kwargs: Mapping[str, Any], max_new_tokens: int = 1024,
                  min_pixels: int | None = None, max_pixels: int | None = None):
-        from vlm_kv.vision_inputs import is_qwen_vl_processor
-
         self.qwen_sizing = is_qwen_vl_processor(processor)  # images sized as qwen-vl-utils does
         if not self.qwen_sizing and (min_pixels is not None or max_pixels is not None):
             raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(processor).__name__}")
@@ -208,21 +210,15 @@ class VLMKVGenerator:
     def from_pretrained(cls, pretrained: str, cache_kwargs: Mapping[str, Any], *, device: str | None = None,
                         dtype: str = "auto", max_new_tokens: int = 1024, min_pixels: int | None = None,
                         max_pixels: int | None = None) -> "VLMKVGenerator":
-        from vlm_kv.loading import load_vlm
-
         model, processor = load_vlm(pretrained, device, dtype)
         return cls(model, processor, cache_kwargs, max_new_tokens, min_pixels, max_pixels)
 
     def _inputs(self, context: str, images: list) -> dict:
-        import torch
-
         text = re.sub(r"<image>\s*", "", context or "").strip() if images else (context or "")
         content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
         messages = [{"role": "user", "content": content}]
         size_kwargs = {}
         if self.qwen_sizing and images:
-            from vlm_kv.vision_inputs import qwen_vision_info
-
             sized = iter(qwen_vision_info(messages, self.processor, **self.pixel_limits)[0])
             messages = [{"role": "user", "content": [dict(c, image=next(sized)) if c["type"] == "image" else c
                                                      for c in content]}]
@@ -242,10 +238,6 @@ class VLMKVGenerator:
         return out
 
     def generate(self, context: str, visuals=None, gen_kwargs: Mapping[str, Any] | None = None) -> str:
-        import torch
-
-        from vlm_kv.api import make_cache
-
         gen_kwargs = dict(gen_kwargs or {})
         inputs = self._inputs(context, _as_images(visuals))
         cache = make_cache(self.model, **self.cache_kwargs)
@@ -279,9 +271,6 @@ class VLMKVGenerator:
         ``doc_to_text(doc, previous_output=answers, round_idx=r, previous_round_info=info)``,
         which returns ``(visuals, context, terminal, answers, info)`` and ends the dialog with
         ``terminal``."""
-        from vlm_kv.api import make_cache
-        from vlm_kv.eval.mmdu_data import IMAGE_TAG
-        from vlm_kv.eval.mmdu_run import DialogRunner
 
         gen_kwargs = dict(gen_kwargs or {})
         if gen_kwargs.get("do_sample") and float(gen_kwargs.get("temperature") or 0) > 0:
@@ -321,6 +310,7 @@ def _cut_at_stop(text: str, until) -> str:
 
 def lmms_manifest():
     """lmms-eval's ``lmms_eval.models`` entry point: the manifest naming our model class."""
+    # lazy: lmms-eval is optional (the lmms extra)
     from lmms_eval.models.registry_v2 import ModelManifest
 
     return ModelManifest(model_id=MODEL_NAME, simple_class_path=f"{__name__}.VLMKVLmms")
@@ -359,8 +349,6 @@ def lmms_class():
             )
 
         def generate_until(self, requests) -> list[str]:
-            from tqdm.auto import tqdm
-
             results = []
             for request in tqdm(requests, desc=f"vlm_kv {self.cache_kwargs['policy']}@{self.cache_kwargs['budget']}",
                                 disable=getattr(self, "rank", 0) != 0):
@@ -400,6 +388,7 @@ def __getattr__(name: str):
 def main() -> None:
     """Register the model, then run lmms-eval's command line (``--model vlm_kv``)."""
     lmms_class()
+    # lazy: lmms-eval is optional (the lmms extra)
     from lmms_eval.__main__ import cli_evaluate
 
     cli_evaluate()

@@ -22,6 +22,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
+from vlm_kv.eval.mathvision_prompt import PROMPT_STYLES, build_prompt
+from vlm_kv.eval.mathvision_score import score_item
+
 __all__ = ["TASK_NAME", "write_mathvision_task", "doc_to_visual", "doc_to_text", "process_results"]
 
 TASK_NAME = "vlm_kv_mathvision_testmini"
@@ -64,7 +69,6 @@ process_results = lmms_tasks.process_results
 
 def doc_to_visual(doc: dict, image_root: str) -> list:
     """The problem's image (RGB), from ``image_root`` / the row's relative ``image`` path."""
-    from PIL import Image
 
     path = doc.get("image")
     if not path:
@@ -75,14 +79,10 @@ def doc_to_visual(doc: dict, image_root: str) -> list:
 
 
 def doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None, prompt: str = "authors") -> str:
-    from vlm_kv.eval.mathvision_prompt import build_prompt
-
     return build_prompt(doc, prompt)
 
 
 def process_results(doc: dict, results: list) -> dict[str, Any]:
-    from vlm_kv.eval.mathvision_score import score_item
-
     response = results[0] if results else ""
     _, correct = score_item(str(response), str(doc["answer"]), list(doc.get("options") or []))
     return {"accuracy": float(correct)}
@@ -93,7 +93,6 @@ def write_mathvision_task(out_dir: str | os.PathLike, data: str | os.PathLike, *
     """Write ``<task>.yaml`` and its utils module into ``out_dir``; returns the folder for
     lmms-eval's ``--include_path``. ``data``: a folder holding ``<split>.jsonl`` and ``images/``,
     or the jsonl itself (images resolved against its folder)."""
-    from vlm_kv.eval.mathvision_prompt import PROMPT_STYLES
 
     if prompt not in PROMPT_STYLES:
         raise ValueError(f"unknown prompt style {prompt!r}; choose one of {', '.join(PROMPT_STYLES)}")

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from PIL import Image
+
 __all__ = [
     "MathVisionProblem",
     "ProblemSet",
@@ -66,7 +68,6 @@ class MathVisionProblem:
 
     def load_image(self):
         """The problem's image as an RGB ``PIL.Image`` (raises if unavailable)."""
-        from PIL import Image
 
         if self.image_bytes is not None:
             img = Image.open(io.BytesIO(self.image_bytes))

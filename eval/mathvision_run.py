@@ -41,6 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import torch
+from tqdm.auto import tqdm
+
+from vlm_kv import make_cache as _make_cache
+from vlm_kv.api import cache_kwarg
+from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
+
 from .mathvision_data import MathVisionProblem
 from .mathvision_prompt import PROMPT_STYLES, build_messages
 from .mathvision_score import aggregate, have_latex2sympy, score_item
@@ -101,10 +108,6 @@ def _decode(processor: Any, ids) -> str:
 
 def model_inputs(model: Any, processor: Any, problem: MathVisionProblem, image: Any, prompt_style: str,
                   min_pixels: int | None = None, max_pixels: int | None = None):
-    import torch
-
-    from vlm_kv.vision_inputs import is_qwen_vl_processor, qwen_vision_info
-
     messages = build_messages(problem, prompt_style)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if is_qwen_vl_processor(processor):  # sized as qwen-vl-utils does, the processor keeps the size
@@ -150,14 +153,11 @@ def generate_response(
     Raises on any failure (the runner records it).
     """
     if make_cache is None:
-        from vlm_kv import make_cache as _make_cache  # lazy: heavy, and optional for scoring
-
         make_cache = _make_cache
     if image is None:
         image = problem.load_image()
     inputs = model_inputs(model, processor, problem, image, prompt_style, min_pixels, max_pixels)
     cache = make_cache(model, policy=policy, budget=budget, **(cache_kwargs or {}))
-    from vlm_kv.api import cache_kwarg
 
     out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=max_new_tokens, do_sample=False)
     n_in = int(inputs["input_ids"].shape[1])
@@ -305,8 +305,6 @@ def run_mathvision(
 
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(selected), initial=n_skipped, desc=f"mathvision {policy}@{budget}", unit="problem")
 
     n_generated = 0

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import re
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
@@ -649,8 +651,6 @@ def _score_jobs(jobs: list[tuple[int, str, str, list[str]]]) -> list[tuple[int, 
 def _run_jobs(jobs, workers: int):
     if workers <= 1 or len(jobs) < 2 * max(workers, 1):
         return _score_jobs(jobs)
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     # fork keeps the already-imported modules (and is much cheaper than
     # re-importing the package); fall back to the platform default elsewhere

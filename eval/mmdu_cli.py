@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+import torch
+
+from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
+from vlm_kv.eval.benchmark_args import (
+    add_num_processes,
+    add_pixel_limits,
+    relaunch_args,
+)
+from vlm_kv.eval.mmdu_data import load_mmdu
+from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
+from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
+from vlm_kv.eval.shard import current_shard, generate_answers_sharded, launch
+
 DESCRIPTION = """\
     vlm-kv eval mmdu --model PATH --data FILE --images DIR --judge PATH --policy NAME --budget F
              [--limit N] [--out DIR] [--max-new-tokens N] [--no-judge]
@@ -19,9 +32,9 @@ import os
 import sys
 from functools import partial
 
-from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
-from vlm_kv.loading import load_vlm  # module attribute: tests replace it
-
+from vlm_kv.config import BUDGET_HELP
+from vlm_kv.config import budget_arg as parse_budget
+from vlm_kv.models.loading import load_vlm  # module attribute: tests replace it
 
 
 def _default_out(args) -> str:
@@ -30,17 +43,6 @@ def _default_out(args) -> str:
 
 
 def cmd_mmdu(args: argparse.Namespace) -> int:
-    import torch
-
-    from vlm_kv.cli_options import tier_kwargs
-
-    from vlm_kv.eval.mmdu_data import load_mmdu
-    from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
-    from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
-
-    from vlm_kv.eval.cli import relaunch_args
-    from vlm_kv.eval.shard import current_shard, generate_answers_sharded, launch
-
     relaunch = relaunch_args(args)
     if relaunch is not None:
         return launch(args.num_processes, relaunch)
@@ -113,11 +115,9 @@ def register(eval_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-judge", action="store_true", help="answers and ROUGE-L only")
     p.add_argument("--judge-max-new-tokens", type=int, default=1024, help="judge reply length")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
-    from vlm_kv.eval.cli import add_num_processes, add_pixel_limits
 
     add_pixel_limits(p)
     add_num_processes(p)
-    from vlm_kv.cli_options import add_tier_args
 
     add_tier_args(p)
     p.set_defaults(func=cmd_mmdu, parser=p)

@@ -25,6 +25,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 DIMENSIONS: tuple[str, ...] = (
     "Creativity",
     "Richness",
@@ -300,9 +303,6 @@ class LocalJudge:
         dtype: Any = "auto",
         max_new_tokens: int = 1024,
     ):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.path = os.path.abspath(str(path))
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"judge model folder not found: {self.path}")
@@ -346,8 +346,6 @@ class LocalJudge:
         return {k: v.to(self.model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
     def __call__(self, prompt: str) -> str:
-        import torch
-
         enc = self._encode(prompt)
         n_in = enc["input_ids"].shape[1]
         pad = self.tokenizer.pad_token_id

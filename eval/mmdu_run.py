@@ -71,11 +71,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from PIL import Image
+from tqdm.auto import tqdm
 
+from vlm_kv import make_cache
 from vlm_kv.api import cache_kwarg
+from vlm_kv.cache.report import peak_after_eviction
 from vlm_kv.eval.mmdu_data import Dialog, MMDUData, split_question
 from vlm_kv.eval.mmdu_judge import (
     SCORE_KEYS,
+    LocalJudge,
     aggregate,
     build_judge_prompt,
     judge_name,
@@ -83,6 +88,7 @@ from vlm_kv.eval.mmdu_judge import (
     parse_judge_output,
     rouge_l,
 )
+from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 
 ANSWERS_FILE = "answers.jsonl"
 JUDGED_FILE = "judged.jsonl"
@@ -131,8 +137,7 @@ def _placeholder_ids(model, processor) -> list[int]:
 
 def _kv_bytes(cache) -> dict[str, Any] | None:
     """The cache's ``kv_bytes()`` after a turn, with ``max_after_eviction``: the most key/value bytes
-    it held right after an eviction step so far (``vlm_kv.report.peak_after_eviction``)."""
-    from vlm_kv.report import peak_after_eviction
+    it held right after an eviction step so far (``vlm_kv.cache.report.peak_after_eviction``)."""
 
     fn = getattr(cache, "kv_bytes", None)
     if callable(fn):
@@ -150,8 +155,6 @@ def _model_device(model) -> torch.device:
 
 
 def _load_image(path: str):
-    from PIL import Image
-
     with Image.open(path) as im:
         return im.convert("RGB")
 
@@ -234,8 +237,6 @@ class DialogRunner:
 
     def __init__(self, model, processor, cache, *, max_new_tokens: int = 2048, min_pixels: int | None = None,
                  max_pixels: int | None = None):
-        from vlm_kv.vision_inputs import is_qwen_vl_processor
-
         # Qwen VL: images sized as qwen-vl-utils does (min/max pixels), the processor keeps the size
         self.qwen_sizing = is_qwen_vl_processor(processor)
         if not self.qwen_sizing and (min_pixels is not None or max_pixels is not None):
@@ -261,7 +262,6 @@ class DialogRunner:
     def _sized(self, images: list) -> list:
         if not self.qwen_sizing or not images:
             return images
-        from vlm_kv.vision_inputs import qwen_vision_info
 
         msgs = [{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]
         return list(qwen_vision_info(msgs, self.processor, **self.pixel_limits)[0])
@@ -378,8 +378,6 @@ class DialogRunner:
 
 
 def _default_make_cache(model, policy: str, budget, **kwargs):
-    from vlm_kv import make_cache  # lazy: the cache library is imported only when a run starts
-
     return make_cache(model, policy=policy, budget=budget, **kwargs)
 
 
@@ -517,7 +515,6 @@ def _check_config(out: Path, config: dict) -> None:
 def _progress(iterable, total: int, desc: str, enabled: bool):
     if not enabled:
         return iterable
-    from tqdm.auto import tqdm
 
     return tqdm(iterable, total=total, desc=desc, unit="dialog")
 
@@ -746,7 +743,6 @@ def run_mmdu(
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            from vlm_kv.eval.mmdu_judge import LocalJudge
 
             judge = LocalJudge(judge)
         judge_info = judge_name(judge)

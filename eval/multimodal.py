@@ -29,10 +29,19 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from vlm_kv.api import make_cache
-from vlm_kv.train.vlm_tasks import KINDS, TASKS, Item, answer_matches, chance, make_item
-from vlm_kv.train.vlm_train import IGNORE, answer, conversation_pieces, encode_pieces
+from vlm_kv.eval.visual_qa import IGNORE, answer, conversation_pieces, encode_pieces
+from vlm_kv.eval.visual_tasks import (
+    KINDS,
+    TASKS,
+    Item,
+    answer_matches,
+    chance,
+    make_item,
+)
 from vlm_kv.models.smollava import pixel_values
 
 __all__ = ["MultimodalSettings", "MultimodalBench", "ROW_FIELDS"]
@@ -151,8 +160,6 @@ class MultimodalBench:
         return [logp[t] for t in where], _kv_bytes(cache), max_bytes
 
     def _full(self, task: str):
-        from transformers import DynamicCache
-
         if task not in self._reference:
             ref = []
             for item in self._progress(self.items(task), f"{task} full cache"):
@@ -166,7 +173,6 @@ class MultimodalBench:
     def _progress(self, seq, desc):
         if not self.progress:
             return seq
-        from tqdm.auto import tqdm
 
         return tqdm(seq, desc=desc, leave=False)
 

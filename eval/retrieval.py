@@ -26,10 +26,11 @@ import re
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from vlm_kv import report
 from vlm_kv.api import cache_kwarg, make_cache
+from vlm_kv.cache import report
 
 __all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes"]
 
@@ -46,7 +47,7 @@ def score_answer(answer: str, code: str) -> bool:
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(key/value bytes held now, the most held right after an eviction step) of a compressed cache
-    or a DynamicCache (``vlm_kv.report.peak_after_eviction``)."""
+    or a DynamicCache (``vlm_kv.cache.report.peak_after_eviction``)."""
     return report.cache_bytes(cache), report.peak_after_eviction(cache)
 
 
@@ -150,8 +151,6 @@ def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int) -> str:
 
 
 def _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, label) -> list[dict]:
-    from tqdm.auto import tqdm
-
     out = []
     for spec, enc in tqdm(list(zip(specs, inputs)), desc=label, disable=not progress, leave=False):
         cache = new_cache()

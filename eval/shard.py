@@ -13,6 +13,7 @@ per-row wall-clock ``seconds`` differ, as they do between any two runs).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -20,6 +21,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+import torch
+from accelerate import PartialState
+
+from vlm_kv.eval import mathvision_run as mr
+from vlm_kv.eval import mmdu_run as mm
+from vlm_kv.eval.mathvision_run import run_mathvision
 
 __all__ = ["Shard", "current_shard", "shard_dir", "launch", "run_mathvision_sharded", "generate_answers_sharded"]
 
@@ -58,8 +66,6 @@ def current_shard() -> Shard:
     launcher (``accelerate launch``, ``torch.distributed.run``)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Shard()
-    import torch
-    from accelerate import PartialState
 
     state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPU-only machines
     return Shard(state.process_index, state.num_processes, state)
@@ -85,7 +91,6 @@ def run_mathvision_sharded(model, processor, problems, *, out_dir, shard: Shard,
                            config_extra: dict | None = None, **kwargs):
     """``run_mathvision`` on this process's slice; the main process merges and returns the
     summary of the whole run (the others return None)."""
-    from vlm_kv.eval.mathvision_run import run_mathvision
 
     problems = list(problems)
     if kwargs.get("limit") is not None:
@@ -101,7 +106,6 @@ def run_mathvision_sharded(model, processor, problems, *, out_dir, shard: Shard,
 
 def merge_mathvision(out_dir, problems, world: int):
     """Merge ``world`` shard folders into ``out_dir`` (rows in problem order) and summarize."""
-    from vlm_kv.eval import mathvision_run as mr
 
     out = Path(out_dir)
     folders = [shard_dir(out, Shard(r, world)) for r in range(world)]
@@ -127,7 +131,6 @@ def merge_mathvision(out_dir, problems, world: int):
 def generate_answers_sharded(model, processor, data, out_dir, *, shard: Shard, progress: bool = True, **kwargs):
     """MMDU ``generate_answers`` on this process's dialogs; the main process merges the answers
     into ``out_dir`` (dialogs in data order) and returns the summed counts (others: None)."""
-    from vlm_kv.eval import mmdu_run as mm
 
     mine = _subset(data, shard.pick(data.dialogs))
     counts = mm.generate_answers(model, processor, mine, shard_dir(out_dir, shard), progress=progress and shard.is_main,
@@ -141,8 +144,6 @@ def generate_answers_sharded(model, processor, data, out_dir, *, shard: Shard, p
 
 
 def merge_mmdu(out_dir, data, world: int) -> dict[str, int]:
-    from vlm_kv.eval import mmdu_run as mm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     folders = [shard_dir(out, Shard(r, world)) for r in range(world)]
@@ -164,8 +165,6 @@ def merge_mmdu(out_dir, data, world: int) -> dict[str, int]:
 
 
 def _subset(data, dialogs):
-    import copy
-
     sub = copy.copy(data)
     sub.dialogs = list(dialogs)
     return sub

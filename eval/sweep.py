@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
 from vlm_kv.eval.sweep_plots import write_plots
 from vlm_kv.eval.sweep_table import (
     FULL_ROW,
@@ -45,7 +47,14 @@ from vlm_kv.eval.sweep_table import (
     save_table,
     table_paths,
 )
-from vlm_kv.eval.sweep_tasks import TASKS, FidelityTask, MathVisionTask, Metric, MMDUTask, RetrievalTask
+from vlm_kv.eval.sweep_tasks import (
+    TASKS,
+    FidelityTask,
+    MathVisionTask,
+    Metric,
+    MMDUTask,
+    RetrievalTask,
+)
 
 __all__ = [
     "Metric",
@@ -111,8 +120,6 @@ def run_sweep(
     need_ref = ref is None or bool(ref.get("error"))
     if ref is not None and not need_ref and hasattr(task, "use_reference"):
         task.use_reference(ref)
-
-    from tqdm.auto import tqdm
 
     total = len(grid) + 1
     bar = tqdm(total=total, initial=total - len(todo) - int(need_ref), desc=f"sweep {task.name}",

@@ -16,9 +16,20 @@ import argparse
 import os
 import sys
 
-from vlm_kv.budget import BUDGET_HELP, budget_arg as parse_budget
-from vlm_kv.cli_options import add_tier_args, tier_kwargs
+import torch
+
+from vlm_kv.api import check_cache_options
+from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
+from vlm_kv.config import BUDGET_HELP
+from vlm_kv.config import budget_arg as parse_budget
+from vlm_kv.eval import sweep as sw
+from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
+from vlm_kv.eval.mmdu_data import load_mmdu
+from vlm_kv.eval.sweep import run_sweep
 from vlm_kv.eval.sweep_table import FRACTION_AT_END
+from vlm_kv.models.loading import load_vlm
+from vlm_kv.models.smollm2 import load_model
+from vlm_kv.policies import FULL_POLICY, POLICIES
 
 __all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
 
@@ -44,8 +55,6 @@ def _floats(text: str) -> list:
 
 
 def _policies(text: str) -> list[str]:
-    from vlm_kv.policies import FULL_POLICY, POLICIES
-
     names = parse_list(text)
     known = [FULL_POLICY, *POLICIES]
     bad = [n for n in names if n not in known]
@@ -71,7 +80,6 @@ def _cache_kwargs(args) -> dict:
         if others:
             raise ValueError(f"--strategy is for policy 'polykv'; sweep {', '.join(others)} without it")
         kw["strategy"] = args.strategy
-    from vlm_kv.api import check_cache_options
 
     for policy in args.policies:  # every cell's settings, before any model loads
         for budget in getattr(args, "budgets", ()):
@@ -86,10 +94,6 @@ def _need(args, *names: str) -> None:
 
 
 def _text_model(args):
-    import torch
-
-    from vlm_kv.smollm2 import load_model
-
     return load_model(args.model, dtype=getattr(torch, args.dtype))
 
 
@@ -98,8 +102,6 @@ def _vlm_loader(args):
         raise ValueError(f"sweep --task {args.task} needs --model pointing to a local VLM folder, got {args.model!r}")
 
     def load():
-        from vlm_kv.loading import load_vlm
-
         return load_vlm(args.model, args.device)
 
     return load
@@ -112,7 +114,6 @@ def _text_model_name(args) -> str:
 
 def build_task(args):
     """The sweep task object for parsed ``args`` (models load here or lazily in the task)."""
-    from vlm_kv.eval import sweep as sw
 
     progress = not args.no_progress
     kw = _cache_kwargs(args)
@@ -133,8 +134,6 @@ def build_task(args):
                                 offset=args.offset, seed=args.seed, max_new_tokens=args.max_new_tokens or 16,
                                 model_name=_text_model_name(args), cache_kwargs=kw, progress=False)
     if args.task == "mathvision":
-        from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
-
         data = args.data or default_data_dir()
         if data is None:
             raise ValueError("sweep --task mathvision: give --data (testmini.jsonl + images/ folder, a .jsonl or "
@@ -144,7 +143,6 @@ def build_task(args):
                                  max_new_tokens=args.max_new_tokens or 4096, model_name=os.path.abspath(args.model),
                                  data=str(problems.source), cache_kwargs=kw, progress=progress)
     # mmdu
-    from vlm_kv.eval.mmdu_data import load_mmdu
 
     _need(args, "data", "images")
     if not args.no_judge and not args.judge:
@@ -170,8 +168,6 @@ def _fmt(v) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from vlm_kv.eval.sweep import run_sweep
-
     task = build_task(args)
     result = run_sweep(task, args.policies, args.budgets, args.out, progress=not args.no_progress)
     keys = [m.key for m in task.metrics]

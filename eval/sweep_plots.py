@@ -7,6 +7,7 @@ A metric spanning more than 20x between rows (KL) gets a log axis.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from vlm_kv.eval.sweep_table import KV_AT_END
@@ -36,8 +37,6 @@ def write_plots(task, state: dict, out_dir: str | os.PathLike) -> list[Path]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        import warnings
-
         warnings.warn("matplotlib is not installed (pip install 'vlm-kv[eval]'): sweep plots skipped",
                       RuntimeWarning, stacklevel=2)
         return []

@@ -26,7 +26,7 @@ KV_AFTER_EVICTION = "max_kv_bytes_after_eviction"  # most held right after an ev
 FULL_AT_END = "full_kv_bytes_at_end"              # the full cache's kv_bytes_at_end (the reference row)
 FRACTION_AT_END = "kv_fraction_at_end"            # kv_bytes_at_end / full_kv_bytes_at_end
 KV_COLUMNS = (KV_AT_END, KV_AFTER_EVICTION, FULL_AT_END, FRACTION_AT_END)
-# what the tasks call them (vlm_kv.fidelity, retrieval, the KV meter of mathvision / mmdu)
+# what the tasks call them (vlm_kv.eval.fidelity, retrieval, the KV meter of mathvision / mmdu)
 _TASK_KV_KEYS = {"kv_bytes": KV_AT_END, "max_kv_bytes": KV_AFTER_EVICTION, "held_bytes": "held_bytes_at_end"}
 
 

@@ -8,12 +8,19 @@ match), ``reference()`` and ``run(policy, budget)`` returning a row dict; option
 from __future__ import annotations
 
 import gc
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from vlm_kv.eval.diagnostics import DiagnosticColumns
+from vlm_kv.eval.fidelity import measure, run_reference, text_tokens
 from vlm_kv.eval.kv_meter import CacheMeter
+from vlm_kv.eval.mathvision_run import run_mathvision
+from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
+from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
+from vlm_kv.eval.retrieval import retrieval
 from vlm_kv.eval.sweep_table import FULL_ROW
 
 __all__ = ["Metric", "FidelityTask", "RetrievalTask", "MathVisionTask", "MMDUTask", "TASKS"]
@@ -43,7 +50,7 @@ def _free_memory() -> None:
 
 
 class FidelityTask:
-    """KL(full || compressed), top-1 agreement and NLL on real text (``vlm_kv.fidelity``).
+    """KL(full || compressed), top-1 agreement and NLL on real text (``vlm_kv.eval.fidelity``).
 
     The full-cache log-probs are computed once per process and shared by every cell. With
     ``diagnostics`` each row also gets the future missed mass, churn and LIR of the cell's
@@ -69,8 +76,6 @@ class FidelityTask:
         self._ref = None
         self.diagnostics = None
         if diagnostics:
-            from vlm_kv.eval.diagnostics import DiagnosticColumns
-
             self.diagnostics = DiagnosticColumns()
             self.metrics = FidelityTask.metrics + self.diagnostics.metrics(Metric)
 
@@ -83,8 +88,6 @@ class FidelityTask:
 
     def _reference(self):
         if self._ref is None:
-            from vlm_kv.fidelity import run_reference, text_tokens
-
             self._ids = text_tokens(self.tokenizer, self.text_path, self.offset,
                                     self.context + self.continuation + 1)
             self._ref = run_reference(self.model, self._ids, self.context, self.progress)
@@ -101,8 +104,6 @@ class FidelityTask:
         return row
 
     def run(self, policy: str, budget) -> dict:
-        from vlm_kv.fidelity import measure
-
         ref = self._reference()
         factory, finish = None, None
         if self.diagnostics is not None:
@@ -150,14 +151,10 @@ class RetrievalTask:
             self._ref = row
 
     def reference(self) -> dict:
-        from vlm_kv.eval.retrieval import retrieval
-
         self._ref = retrieval(self.model, self.tokenizer, self.text_path, self.context, "full", 1.0, **self._kw())
         return _strip_policy(self._ref)
 
     def run(self, policy: str, budget) -> dict:
-        from vlm_kv.eval.retrieval import retrieval
-
         if self._ref is None:
             self.reference()
         r = retrieval(self.model, self.tokenizer, self.text_path, self.context, policy, budget,
@@ -192,8 +189,6 @@ def _options_for(policy: str, cache_kwargs: dict) -> dict:
 
 
 def _cell_dir(root: Path, policy: str, budget) -> Path:
-    import json
-
     return root / f"{policy}_{json.dumps(budget)}"
 
 
@@ -227,8 +222,6 @@ class MathVisionTask:
         return self.run(*FULL_ROW)
 
     def run(self, policy: str, budget) -> dict:
-        from vlm_kv.eval.mathvision_run import run_mathvision
-
         model, processor = self.model.get()
         meter = CacheMeter()
         folder = _cell_dir(self.root, policy, budget)
@@ -284,7 +277,6 @@ class MMDUTask:
             return None
         if isinstance(self.judge, (str, os.PathLike)):
             return os.path.abspath(str(self.judge))
-        from vlm_kv.eval.mmdu_judge import judge_name
 
         return judge_name(self.judge).get("name")
 
@@ -297,8 +289,6 @@ class MMDUTask:
         return self.run(*FULL_ROW)
 
     def run(self, policy: str, budget) -> dict:
-        from vlm_kv.eval.mmdu_run import generate_answers, summarize
-
         model, processor = self.model.get()
         folder = _cell_dir(self.root, policy, budget)
         meter = CacheMeter()
@@ -315,8 +305,6 @@ class MMDUTask:
 
     def finish(self, rows: list[dict]) -> None:
         """Judge every cell (the reference included) that is not judged yet; updates rows in place."""
-        from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
-        from vlm_kv.eval.mmdu_run import judge_answers, summarize
 
         todo = [r for r in rows if self.needs_finish(r)]
         if not todo:

@@ -10,8 +10,8 @@ PRETRAINED_DIR = os.path.join(os.path.dirname(__file__), "pretrained")
 SHIPPED = ("smollm2-135m-dbtrimkv", "smollm2-135m-trimkv")
 
 
-def default_gates_for(model, kind: str = "dbtrimkv") -> str | None:
-    """Folder of the shipped gates of ``kind`` that fit ``model``, or None."""
+def default_gates_for(fingerprint: dict, kind: str = "dbtrimkv") -> str | None:
+    """Folder of the shipped gates of ``kind`` that fit the model with ``fingerprint``, or None."""
     for folder in SHIPPED:
         path = os.path.join(PRETRAINED_DIR, folder)
         if not os.path.isfile(os.path.join(path, CONFIG)):
@@ -20,7 +20,7 @@ def default_gates_for(model, kind: str = "dbtrimkv") -> str | None:
         if config.kind != kind:
             continue
         try:
-            check_fits(config, model)
+            check_fits(config, fingerprint)
         except GateMismatchError:
             continue
         return path

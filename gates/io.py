@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
-from vlm_kv.models.adapters import get_adapter
 
 WEIGHTS = "gates.safetensors"
 CONFIG = "gate_config.json"
@@ -40,14 +39,15 @@ def load_config(folder: str) -> GateConfig:
         raise GateMismatchError(f"corrupt gate config {cfg_path}: {err}") from None
 
 
-def load_gates(folder: str, model=None) -> RetentionGates:
-    """Load gates from ``folder``; with ``model``, refuse gates trained for a different model."""
+def load_gates(folder: str, fingerprint: dict | None = None) -> RetentionGates:
+    """Load gates from ``folder``; with a model's ``fingerprint`` (``ModelAdapter.fingerprint()``),
+    refuse gates trained for a different model."""
     config = load_config(folder)
     w_path = os.path.join(folder, WEIGHTS)
     if not os.path.isfile(w_path):
         raise FileNotFoundError(f"no gates in {folder}: expected {CONFIG} and {WEIGHTS}")
-    if model is not None:
-        check_fits(config, model)
+    if fingerprint is not None:
+        check_fits(config, fingerprint)
     gates = RetentionGates(config)
     try:
         state = load_file(w_path)
@@ -57,9 +57,9 @@ def load_gates(folder: str, model=None) -> RetentionGates:
     return gates.eval()
 
 
-def check_fits(config: GateConfig, model) -> None:
-
-    expected = get_adapter(model).fingerprint()
+def check_fits(config: GateConfig, fingerprint: dict) -> None:
+    """Refuse gates whose recorded model (family, config hash) is not the model with ``fingerprint``."""
+    expected = fingerprint
     trained = config.model or {}
     identity = ("family", "config_hash")
     if any(trained.get(k) != expected.get(k) for k in identity):

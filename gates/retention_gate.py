@@ -19,10 +19,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlm_kv.policies.retention import retention_scores  # noqa: F401  (re-exported: gates score with it)
 
 GATE_KINDS = ("dbtrimkv", "trimkv")
 
+
+
+def retention_scores(log_beta: torch.Tensor, positions: torch.Tensor, now: int) -> torch.Tensor:
+    """Eviction score ``(t - i) * log beta``: higher = keep. Same shapes in, same shape out."""
+    age = (now - positions).clamp(min=0).to(log_beta.dtype)
+    return age * log_beta
 
 @dataclass
 class GateConfig:

@@ -4,7 +4,8 @@ Triton compiles for a ``GPUTarget`` it is told about (its wheel ships ``ptxas``)
 can produce the PTX and cubin of each variant and read what the GPU would see: registers per
 thread, register spills and shared memory per block.
 
-Which variants: the census (``census``) does not list constexpr combinations by hand. It runs the
+Which variants: the census (``vlm_kv.eval.kernel_census``, a layer above the runtime it drives) does
+not list constexpr combinations by hand. It runs the
 runtime's own launch code on small CPU tensors (the cache's decode paths through real
 ``VarlenKVStore`` / ``Int2Tier`` objects, and the public kernels API) with every Triton kernel of
 ``paged_triton`` replaced by a recorder, and turns each recorded launch into its compile key the
@@ -18,21 +19,27 @@ at run time, with the same tiles.
 
 How: each variant compiles in a fresh Python process started with TRITON_INTERPRET=0
 (``compile_jobs`` says why), always recompiled into a throw-away cache; registers and spills come
-from ``ptxas -v``, shared memory from the compiled kernel's metadata. On a GPU, ``runtime_records``
-launches the same variants for real and reads what the driver reports.
+from ``ptxas -v``, shared memory from the compiled kernel's metadata. On a GPU, the census'
+``runtime_records`` launches the same variants for real and reads what the driver reports.
 
 ``varlen_prefill.py`` has no Triton kernel (its CUDA path is flash-attn's), so every variant is
 of ``paged_triton``'s split decode kernel or its merge kernel.
 
-    records = compile_variants(census(TARGETS["sm_90"]), [TARGETS["sm_90"]], workers=2)
+    records = compile_variants(kernel_census.census(TARGETS["sm_90"]), [TARGETS["sm_90"]], workers=2)
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import inspect
 import io
+import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -184,7 +191,10 @@ class _Recorder:
 
 
 def _is_jitted(value: Any) -> bool:
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.runtime.interpreter import InterpretedFunction
+
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.runtime.jit import JITFunction
 
     return isinstance(value, (JITFunction, InterpretedFunction))
@@ -213,8 +223,8 @@ def recorded_launches(run: bool = False) -> Iterator[list[_Launch]]:
 def kernel_params(kernel: Any) -> list[Any]:
     """The parameters of a jitted kernel as Triton's launcher reads them (``KernelParam``: name, constexpr
     or not, specialization flags), for a ``JITFunction`` or an ``InterpretedFunction`` alike."""
-    import inspect
 
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.runtime.jit import KernelParam
 
     params = getattr(kernel, "params", None)
@@ -228,13 +238,15 @@ def kernel_params(kernel: Any) -> list[Any]:
             for i, p in enumerate(inspect.signature(kernel.fn).parameters.values())]
 
 
-def _specialize(launch: _Launch) -> tuple[dict[str, str], dict[str, Any], tuple[str, ...], dict[str, Any]]:
+def specialize(launch: _Launch) -> tuple[dict[str, str], dict[str, Any], tuple[str, ...], dict[str, Any]]:
     """(signature, constexprs, aligned args, options) of a recorded launch, as Triton's launcher
     would derive them: pointer type and 16-byte alignment of tensors, i32/i64 of integers with
     divisibility by 16, integers equal to 1 folded into constants, floats unspecialized."""
-    import inspect
 
+    # lazy: triton is optional (the dev / gpu extras)
     from triton._C.libtriton import native_specialize_impl
+
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.backends.compiler import BaseBackend
 
     params = kernel_params(launch.kernel)
@@ -263,8 +275,6 @@ def _specialize(launch: _Launch) -> tuple[dict[str, str], dict[str, Any], tuple[
 
 def kernel_source_digest() -> str:
     """sha256 of the source of every jitted function of ``paged_triton``: what a compile table was made from."""
-    import hashlib
-    import inspect
 
     module = importlib.import_module(KERNEL_MODULE)
     digest = hashlib.sha256()
@@ -274,11 +284,11 @@ def kernel_source_digest() -> str:
     return digest.hexdigest()
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _variant_params(launch: _Launch, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, Any],
+def variant_params(launch: _Launch, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, Any],
                     model: dict[str, Any]) -> dict[str, Any]:
     """The columns of the table: the model cell, then the kernel's own choices read off the launch."""
     params = dict(model)
@@ -293,186 +303,6 @@ def _variant_params(launch: _Launch, signature: dict[str, str], constexprs: dict
         params.update(splits_pad=constexprs["S_PAD"])
     params["num_warps"] = options.get("num_warps", 4)  # Triton's default when the launcher passes none
     return params
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One cell of the matrix: a model dtype and decode shape, launched for ``target`` with tensors on ``device``."""
-
-    shape: DecodeShape
-    dtype: Any   # torch.dtype
-    target: TargetSpec
-    device: Any  # torch.device
-
-    def randn(self, *size: int, seed: int) -> Any:
-        import torch
-
-        return torch.randn(*size, generator=torch.Generator().manual_seed(seed)).to(self.device, self.dtype)
-
-
-def _fp_store(cell: Cell, batch: int = 1) -> Any:
-    """A layer store with a ragged body (rows of different lengths) and a tail of 3 decode tokens,
-    built through the store's own append and compaction."""
-    import torch
-
-    from vlm_kv.storage import VarlenKVStore
-
-    h, d, prompt, dev = cell.shape.num_kv_heads, cell.shape.head_dim, 40, cell.device
-    store = VarlenKVStore(batch, h, d, cell.dtype, dev)
-    def text(q: int) -> tuple[Any, Any]:  # modality codes and validity of q new tokens
-        return torch.zeros(batch, q, dtype=torch.uint8, device=dev), torch.ones(batch, q, dtype=torch.bool, device=dev)
-
-    store.append(cell.randn(batch, h, prompt, d, seed=0), cell.randn(batch, h, prompt, d, seed=1), 0, *text(prompt))
-    # row r keeps 21 - r % 5 entries: table widths are neither 1 nor a multiple of 16 (generic specialization)
-    keep = torch.arange(prompt)[None, None, :] < (21 - torch.arange(batch * h) % 5).view(batch, h, 1)
-    store.compact(keep.to(dev))
-    for step in range(3):
-        store.append(cell.randn(batch, h, 1, d, seed=2 + step), cell.randn(batch, h, 1, d, seed=5 + step), prompt + step,
-                     *text(1))
-    return store
-
-
-@dataclass(frozen=True)
-class TierChoice:
-    """How the INT2 windows are stored: key grid, basis, and whether some windows have holes."""
-
-    key_grid: str
-    basis: str
-    holes: bool
-
-
-def _int2_tier(cell: Cell, choice: TierChoice, batch: int = 1) -> Any:
-    """An ``Int2Tier`` holding 3 windows per row (the config's default window), filled through its own rebuild."""
-    import torch
-
-    from vlm_kv.int2_tier import Int2Tier, NewWindows
-    from vlm_kv.tier_router import TierConfig
-
-    w, d, dev = TierConfig().window, cell.shape.head_dim, cell.device
-    rows, per_row = batch * cell.shape.num_kv_heads, 3
-    tier = Int2Tier(batch, cell.shape.num_kv_heads, d, w, cell.dtype, dev, key_grid=choice.key_grid, basis=choice.basis)
-    n = rows * per_row
-    codes = tier.quantize(cell.randn(n, w, d, seed=10), cell.randn(n, w, d, seed=11))
-    window_id = torch.arange(per_row, device=dev).repeat(rows)
-    positions = (window_id[:, None] * w + torch.arange(w, device=dev)[None, :]).to(torch.int32)
-    if choice.holes:
-        positions[::2, 0] = -1  # an entry routed to FP (or gone): the window has a hole
-    none = torch.zeros(0, dtype=torch.bool, device=dev)
-    tier.rebuild(none, none, None, NewWindows(codes, torch.arange(rows, device=dev).repeat_interleave(per_row), window_id,
-                                              positions, torch.zeros(n, w, dtype=torch.uint8, device=dev)))
-    return tier
-
-
-def _cache_launches(cell: Cell) -> Iterator[str]:
-    """Run the cache's decode paths (the ones ``CompressedLayer.attend`` takes on CUDA); yields each path's label
-    after its launches are recorded."""
-    from types import SimpleNamespace
-
-    from vlm_kv import attention
-    from vlm_kv.cache import CompressedLayer
-    from vlm_kv.kernels.int2 import INT2_BASES, KEY_GRIDS
-
-    store = _fp_store(cell)
-    shape = cell.shape
-    query = cell.randn(1, shape.num_kv_heads * shape.group, 1, shape.head_dim, seed=20)
-    scaling = shape.head_dim ** -0.5
-    attention.decode_attention_triton(query, store, scaling)
-    yield "cache: FP body + tail"
-    for key_grid in KEY_GRIDS:
-        for basis in INT2_BASES:
-            for holes in (False, True):
-                layer = SimpleNamespace(store=store, tier=_int2_tier(cell, TierChoice(key_grid, basis, holes)))
-                CompressedLayer._attend_tiered_triton(layer, query, scaling)
-                yield f"cache: INT2 {key_grid} grid, {basis} basis" + (", holes" if holes else "")
-
-
-def _api_launches(cell: Cell) -> Iterator[str]:
-    """Run the public kernels API (``paged_decode_attention`` / ``mixed_decode_attention``, used by the bench
-    and by callers of ``vlm_kv.kernels``) at the bench's default block size and window, with the split count
-    the launcher picks on the target for one sequence at a long context (the merge kernel's largest)."""
-    import torch
-
-    from vlm_kv.kernels import bench_kernels
-    from vlm_kv.kernels import paged_triton as pt
-
-    defaults = bench_kernels.parse_args([])
-    rows, d = cell.shape.num_kv_heads, cell.shape.head_dim
-    fp = bench_kernels.build_store(rows, 100, d, defaults.block_size, cell.dtype, cell.device)
-    int2 = bench_kernels.build_int2(rows, 3, defaults.window, d, cell.device)
-    query = cell.randn(1, rows * cell.shape.group, d, seed=30)
-    # at LONG_CONTEXT the device bounds the split count, whichever tile the launch takes
-    splits = pt.splits_for(rows, LONG_CONTEXT, pt.DECODE_TILE, pt.PROGRAMS_PER_SM * cell.target.multiprocessors)
-    fp_args = [fp[k] for k in ("key_pool", "value_pool", "block_table", "lengths")]
-    int2_args = [int2[k] for k in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero",
-                                   "int2_table", "int2_counts")]
-    pt.paged_decode_attention_triton(query, *fp_args, None, num_splits=splits)
-    yield "api: paged_decode_attention"
-    pt.mixed_decode_attention_triton(query, *fp_args, *int2_args, None, num_splits=splits)
-    yield "api: mixed_decode_attention"
-    holes = torch.ones(int2["key_codes"].shape[:2], dtype=torch.bool, device=cell.device)
-    holes[::2, 0] = False
-    pt.mixed_decode_attention_triton(query, *fp_args, *int2_args, None, num_splits=splits, slot_mask=holes)
-    yield "api: mixed_decode_attention, holes"
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """Which cells to run: model dtypes (default: every float dtype) x decode shapes (default: ``decode_shapes()``)."""
-
-    shapes: tuple[DecodeShape, ...] | None = None
-    dtypes: tuple | None = None
-
-    def cells(self, target: TargetSpec, device: Any) -> Iterator[Cell]:
-        from vlm_kv.kernels.layout import FLOAT_DTYPES
-
-        for dtype in self.dtypes or FLOAT_DTYPES:
-            for shape in self.shapes or decode_shapes():
-                yield Cell(shape, dtype, target, device)
-
-
-def _collect(target: TargetSpec, matrix: Matrix, device: Any, run: bool) -> list[tuple[Variant, Any]]:
-    """Every distinct variant the runtime paths launch over ``matrix``, each with the compiled kernel of its
-    first real launch (``run``) or None."""
-    import torch
-
-    found: dict[tuple, tuple[Variant, Any]] = {}
-    with recorded_launches(run) as launches, torch.no_grad():
-        for cell in matrix.cells(target, device):
-            model = {"dtype": _dtype_name(cell.dtype), "head_dim": cell.shape.head_dim, "group": cell.shape.group}
-            for runner in (_cache_launches(cell), _api_launches(cell)):
-                for path in runner:
-                    for launch in launches:
-                        signature, constexprs, aligned, options = _specialize(launch)
-                        params = _variant_params(launch, signature, constexprs, options, model)
-                        variant = Variant(launch.name, signature, constexprs, aligned, options, params)
-                        variant, _ = found.setdefault(variant.key(), (variant, launch.compiled))
-                        if path not in variant.paths:
-                            variant.paths.append(path)
-                    launches.clear()
-    return list(found.values())
-
-
-def census(target: TargetSpec, matrix: Matrix = Matrix()) -> list[Variant]:
-    """Every distinct kernel variant the runtime launches on ``target`` over ``matrix``, deduplicated; each
-    lists the runtime paths that launch it. Runs on CPU tensors; nothing is launched."""
-    import torch
-
-    return [variant for variant, _ in _collect(target, matrix, torch.device("cpu"), run=False)]
-
-
-def runtime_records(target: TargetSpec, matrix: Matrix = Matrix(), device: str = "cuda") -> list[CompileRecord]:
-    """The AOT table's counterpart on a GPU: launch the census' variants for real (Triton compiles them
-    just in time) and read registers and spills from the driver (``n_spills``: local memory / 4, as
-    Triton reports it) and shared memory from the compiled kernel. ``target`` names the GPU's arch."""
-    import torch
-
-    records = []
-    for variant, compiled in _collect(target, matrix, torch.device(device), run=True):
-        records.append(CompileRecord(
-            variant.kernel, dict(variant.params), f"{target.name} (driver)", ok=True, n_regs=int(compiled.n_regs),
-            n_spills=int(compiled.n_spills), shared_bytes=int(compiled.metadata.shared),
-            max_shared_bytes=target.max_shared_bytes, paths=list(variant.paths)))
-    return records
 
 
 # --------------------------------------------------------------------------------------------- compile
@@ -493,6 +323,7 @@ def parse_ptxas_log(log: str) -> dict[str, int]:
 def _fresh_compile_knobs() -> Iterator[None]:
     """Compile every time into a throw-away cache (nothing is reused across runs, and ptxas always runs so
     its log is there to read), with ptxas's ``-v`` log printed; knobs restored on exit."""
+    # lazy: triton is optional (the dev / gpu extras)
     from triton import knobs
 
     with tempfile.TemporaryDirectory(prefix="vlm_kv_aot_") as cache_dir, \
@@ -510,9 +341,16 @@ def compile_variant(variant: Variant, target: TargetSpec) -> CompileRecord:
     """Compile one variant for one target in this process (no GPU needed); errors become a record with
     ``ok=False``. Needs a process where triton was imported with TRITON_INTERPRET off (see
     ``compile_variants``, which runs this in such processes)."""
+    # lazy: triton is optional (the dev / gpu extras)
     import triton
+
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.backends.compiler import GPUTarget
+
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.compiler import ASTSource
+
+    # lazy: triton is optional (the dev / gpu extras)
     from triton.runtime.jit import JITFunction
 
     record = CompileRecord(variant.kernel, dict(variant.params), target.name, ok=False,
@@ -566,10 +404,6 @@ def compile_jobs(jobs: list[tuple[Variant, TargetSpec]], workers: int = 2) -> li
     re-decorating our kernels would not be enough. A worker started with TRITON_INTERPRET=0 in its
     environment compiles exactly as the runtime on a GPU machine would. Jobs are dealt by cost so
     the workers finish together."""
-    import json
-    import os
-    import subprocess
-    import sys
 
     order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
     shares = [order[k::max(1, workers)] for k in range(max(1, workers))]
@@ -600,7 +434,6 @@ def compile_jobs(jobs: list[tuple[Variant, TargetSpec]], workers: int = 2) -> li
 
 def _worker_main(path_in: str, path_out: str) -> None:
     """A compile worker: read jobs (JSON), compile each in this process, write the records (JSON)."""
-    import json
 
     with open(path_in) as fh:
         jobs = json.load(fh)
@@ -615,30 +448,27 @@ def _worker_main(path_in: str, path_out: str) -> None:
 __all__ = [
     "MODEL_SHAPES",
     "TARGETS",
-    "Cell",
     "CompileRecord",
     "DecodeShape",
-    "Matrix",
     "ModelShape",
     "TargetSpec",
-    "TierChoice",
     "Variant",
-    "census",
+    "LONG_CONTEXT",
     "compile_jobs",
     "compile_variant",
     "compile_variants",
     "decode_shapes",
+    "dtype_name",
     "kernel_params",
     "kernel_source_digest",
     "parse_ptxas_log",
     "recorded_launches",
-    "runtime_records",
+    "specialize",
+    "variant_params",
 ]
 
 
 if __name__ == "__main__":
-    import sys
-
     if len(sys.argv) != 3:
         raise SystemExit("usage: python -m vlm_kv.kernels.aot JOBS.json RECORDS.json (a compile_variants worker)")
     _worker_main(sys.argv[1], sys.argv[2])

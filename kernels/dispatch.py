@@ -13,7 +13,10 @@ from typing import Literal
 
 import torch
 
-from vlm_kv.kernels.paged_torch import mixed_decode_attention_torch, paged_decode_attention_torch
+from vlm_kv.kernels.paged_torch import (
+    mixed_decode_attention_torch,
+    paged_decode_attention_torch,
+)
 
 Backend = Literal["auto", "torch", "triton"]
 _BACKENDS = ("auto", "torch", "triton")
@@ -38,6 +41,7 @@ def _triton_can_run(device: torch.device) -> tuple[bool, str]:
     error = _triton_import_error()
     if error is not None:
         return False, f"triton is not importable ({error}); install the 'gpu' extra"
+    # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
     from vlm_kv.kernels import paged_triton
 
     if device.type == "cuda" or paged_triton.INTERPRETED:
@@ -71,6 +75,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention over the paged FP store with the chosen backend; returns [B, Hq, D]."""
     if resolve_backend(backend, query.device) == "triton":
+        # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
         from vlm_kv.kernels.paged_triton import paged_decode_attention_triton
 
         return paged_decode_attention_triton(query, key_pool, value_pool, block_table, lengths, scaling, validate)
@@ -101,6 +106,7 @@ def mixed_decode_attention(
     args = (query, key_pool, value_pool, block_table, lengths, key_codes, key_scale, key_zero,
             value_codes, value_scale, value_zero, int2_table, int2_counts, scaling)
     if resolve_backend(backend, query.device) == "triton":
+        # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
         from vlm_kv.kernels.paged_triton import mixed_decode_attention_triton
 
         return mixed_decode_attention_triton(*args, validate=validate, slot_mask=slot_mask)

@@ -2,7 +2,7 @@
 
     python scripts/gates_passages_table.py docs/gates_v2/fidelity_pg84_4passages.jsonl [LABEL ...]
 
-Input: JSON lines of `python -m vlm_kv.gates.evaluate` (one per label x budget x offset)."""
+Input: JSON lines of `python -m vlm_kv.eval.gate_cells` (one per label x budget x offset)."""
 import json
 import sys
 from collections import defaultdict

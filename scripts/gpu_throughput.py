@@ -89,8 +89,10 @@ def build_model(spec: TextModel, dtype: torch.dtype, device: str) -> torch.nn.Mo
 def cache_choices(model: torch.nn.Module) -> list[CacheChoice]:
     """DynamicCache, snapkv, and the tiered cache this model supports (dbtrimkv needs gates that fit it)."""
     from vlm_kv.gates import default_gates_for
+    from vlm_kv.models.adapters import get_adapter
 
-    tiered = (CacheChoice("dbtrimkv+int2", "dbtrimkv", {"tiers": "int2"}) if default_gates_for(model, "dbtrimkv")
+    fits = default_gates_for(get_adapter(model).fingerprint(), "dbtrimkv")
+    tiered = (CacheChoice("dbtrimkv+int2", "dbtrimkv", {"tiers": "int2"}) if fits
               else CacheChoice("snapkv+int2", "snapkv", {"tiers": "int2"}))
     return [CacheChoice("dynamic"), CacheChoice("snapkv", "snapkv"), tiered]
 

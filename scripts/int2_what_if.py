@@ -1,6 +1,6 @@
 """What-if runs of the INT2 tier: where its KL comes from (docs/tiers.md, session 8).
 
-Runs ``python -m vlm_kv.gates.evaluate`` with one part of the INT2 tier changed, to learn what
+Runs ``python -m vlm_kv.eval.gate_cells`` with one part of the INT2 tier changed, to learn what
 the next change should buy. None of these is a cache anyone should deploy; two of them break
 the byte accounting on purpose (the reported ``kv_bytes`` then exceed the budget).
 
@@ -33,7 +33,7 @@ _CLIPS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25)
 
 
 def _charge(factor: float) -> None:
-    from vlm_kv.int2_tier import Int2Tier
+    from vlm_kv.tiers.int2_tier import Int2Tier
 
     real = Int2Tier.window_bytes
     Int2Tier.window_bytes = lambda self: int(real(self) * factor)
@@ -42,10 +42,10 @@ def _charge(factor: float) -> None:
 def _exact(part: str) -> None:
     """INT2 entries attended with their original FP copies (spill tier on, host copies read back)."""
     import vlm_kv.api as api
-    import vlm_kv.int2_tier as tier_module
-    from vlm_kv.int2_tier import Int2Tier, TierView
+    import vlm_kv.tiers.int2_tier as tier_module
+    from vlm_kv.tiers.int2_tier import Int2Tier, TierView
     from vlm_kv.kernels.int2 import dequantize_values
-    from vlm_kv.storage import PaddedView
+    from vlm_kv.storage.store import PaddedView
 
     tier_config = api._tier_config
 
@@ -81,8 +81,8 @@ def _exact(part: str) -> None:
 
 def _key_block(block: int) -> None:
     """One key grid per (row, ``block`` consecutive windows) among the windows quantized together."""
-    import vlm_kv.token_routing as routing
-    from vlm_kv.int2_tier import QuantizedWindows
+    import vlm_kv.tiers.entry_router as routing
+    from vlm_kv.tiers.int2_tier import QuantizedWindows
     from vlm_kv.kernels import int2
 
     last = {}
@@ -132,7 +132,7 @@ def _mse_range(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fit(which: str) -> None:
     """Least-squares clipped ranges for the fp16 grids (keys, values or both)."""
-    import vlm_kv.int2_tier as tier
+    import vlm_kv.tiers.int2_tier as tier
     from vlm_kv.kernels import int2
 
     def keys_mse(keys):
@@ -162,8 +162,8 @@ def _hadamard_matrix(d: int) -> torch.Tensor:
 
 def _hadamard(part: str) -> None:
     """Codes of H x instead of x (H orthonormal, symmetric); dequantized entries rotated back."""
-    import vlm_kv.int2_tier as tier
-    from vlm_kv.rope_keys import KeyRotation
+    import vlm_kv.tiers.int2_tier as tier
+    from vlm_kv.tiers.rope_keys import KeyRotation
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
         return x.float() @ _hadamard_matrix(x.shape[-1]).to(x.device)
@@ -202,7 +202,7 @@ def main() -> int:
         _fit(args.fit)
     if args.hadamard is not None:
         _hadamard(args.hadamard)
-    from vlm_kv.gates.evaluate import main as evaluate
+    from vlm_kv.eval.gate_cells import main as evaluate
 
     return evaluate(argv[cut + 1:])
 

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every Triton kernel variant the runtime launches, per GPU target.
 
 Compiles ahead of time (no GPU needed: Triton's wheel ships ptxas) every variant that
-``vlm_kv.kernels.aot.census`` finds for each target, then prints a markdown summary per target and
+``vlm_kv.eval.kernel_census.census`` finds for each target, then prints a markdown summary per target and
 kernel, the full per-variant table, and the variants that spill or do not compile; ``--json``
 writes every record.
 
@@ -26,16 +26,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from vlm_kv.kernels.aot import (
-    TARGETS,
-    CompileRecord,
-    Matrix,
-    census,
-    compile_variants,
-    decode_shapes,
-    kernel_source_digest,
-    runtime_records,
-)
+from vlm_kv.eval.kernel_census import Matrix, census, runtime_records
+from vlm_kv.kernels.aot import TARGETS, CompileRecord, compile_variants, decode_shapes, kernel_source_digest
 
 # columns of the per-variant table, in order (absent ones print as "")
 VARIANT_COLUMNS = ("dtype", "head_dim", "group", "query", "block", "tile", "int2", "key_grid", "holes", "window",

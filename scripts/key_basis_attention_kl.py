@@ -42,8 +42,8 @@ def _capture(model, tok, text: str, offset: int, length: int) -> list[tuple[torc
 
 def main() -> None:
     from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values, hadamard_basis, quantize_keys, quantize_values
-    from vlm_kv.rope_keys import KeyRotation
-    from vlm_kv.smollm2 import load_smollm2
+    from vlm_kv.tiers.rope_keys import KeyRotation
+    from vlm_kv.models.smollm2 import load_smollm2
 
     p = argparse.ArgumentParser()
     p.add_argument("--text", required=True)

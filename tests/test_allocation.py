@@ -1,6 +1,6 @@
 import torch
 
-from vlm_kv.allocation import GlobalTopK, HeadAdaptive, Pyramid, Uniform, top_k_mask
+from vlm_kv.storage.allocation import GlobalTopK, HeadAdaptive, Pyramid, Uniform, top_k_mask
 
 
 def test_top_k_mask_exact_counts_and_never_empty_slots():

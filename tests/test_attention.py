@@ -1,8 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from vlm_kv.attention import attention_probs, soft_retention_attention, varlen_attention
-from vlm_kv.storage import VarlenKVStore
+from vlm_kv.attention.reference import attention_probs, soft_retention_attention, varlen_attention
+from vlm_kv.storage.store import VarlenKVStore
 
 
 def _filled_store(b=2, h=2, d=8, n=12, seed=0):
@@ -83,7 +83,7 @@ def test_soft_retention_with_zero_log_beta_is_plain_causal_attention_and_decays_
 def test_prefill_over_a_compressed_store_through_the_varlen_path_equals_the_padded_path():
     """The flash-attn wiring (pool, per-row table, bottom-right causal) checked with the same
     kernels module's PyTorch backend: a ragged body, then a 5-token tail attended causally."""
-    from vlm_kv.attention import prefill_attention_paged
+    from vlm_kv.attention.backend import prefill_attention_paged
 
     torch.manual_seed(0)
     b, h, g, d = 2, 2, 3, 8
@@ -103,7 +103,7 @@ def test_prefill_over_a_compressed_store_through_the_varlen_path_equals_the_padd
 
 
 def test_decode_over_a_small_uniform_store_takes_one_sdpa_call_and_equals_the_split_softmax(monkeypatch):
-    import vlm_kv.attention as attention_mod
+    from vlm_kv.attention import decode
 
     store, k, v = _filled_store(b=2, h=2, d=8, n=20, seed=3)
     store.compact(store.padded_view().positions % 3 != 1)  # a uniform body of 13 per head
@@ -112,11 +112,11 @@ def test_decode_over_a_small_uniform_store_takes_one_sdpa_call_and_equals_the_sp
     query = torch.randn(2, 4, 1, 8)  # GQA: 2 query heads per KV head
     calls = []
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(attention_mod.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
-    small, _ = attention_mod.decode_attention(query, store, None)
+    monkeypatch.setattr(decode.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    small, _ = decode.decode_attention(query, store, None)
     assert len(calls) == 1
-    monkeypatch.setattr(attention_mod, "SMALL_DECODE_ENTRIES", 0)
-    split, _ = attention_mod.decode_attention(query, store, None)
+    monkeypatch.setattr(decode, "SMALL_DECODE_ENTRIES", 0)
+    split, _ = decode.decode_attention(query, store, None)
     assert len(calls) == 1  # the split softmax runs no SDPA
     torch.testing.assert_close(small, split, rtol=1e-5, atol=1e-6)
     keep = torch.zeros(2, 2, 23, dtype=torch.bool)
@@ -127,7 +127,7 @@ def test_decode_over_a_small_uniform_store_takes_one_sdpa_call_and_equals_the_sp
 
 
 def test_decode_over_a_small_ragged_store_equals_the_split_softmax(monkeypatch):
-    import vlm_kv.attention as attention_mod
+    from vlm_kv.attention import decode
 
     store, k, v = _filled_store(b=2, h=2, d=8, n=20, seed=4)
     heads = torch.arange(2).view(1, 2, 1)
@@ -137,9 +137,9 @@ def test_decode_over_a_small_ragged_store_equals_the_split_softmax(monkeypatch):
     new_k, new_v = torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8)
     store.append(new_k, new_v, torch.arange(20, 22), torch.zeros(2, 2, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.bool))
     query = torch.randn(2, 4, 1, 8)
-    small, _ = attention_mod.decode_attention(query, store, None)
-    monkeypatch.setattr(attention_mod, "SMALL_DECODE_ENTRIES", 0)
-    split, _ = attention_mod.decode_attention(query, store, None)
+    small, _ = decode.decode_attention(query, store, None)
+    monkeypatch.setattr(decode, "SMALL_DECODE_ENTRIES", 0)
+    split, _ = decode.decode_attention(query, store, None)
     torch.testing.assert_close(small, split, rtol=1e-5, atol=1e-6)
     full_keep = torch.cat([keep.expand(2, 2, 20), torch.ones(2, 2, 2, dtype=torch.bool)], dim=2)
     ref = _reference(query, torch.cat([k, new_k], 2), torch.cat([v, new_v], 2), full_keep, torch.tensor([21]), torch.arange(22))
@@ -147,7 +147,7 @@ def test_decode_over_a_small_ragged_store_equals_the_split_softmax(monkeypatch):
 
 
 def _random_view(b, h, length, d, gen, valid_p=0.7):
-    from vlm_kv.storage import PaddedView
+    from vlm_kv.storage.store import PaddedView
 
     valid = torch.rand(b, h, length, generator=gen) < valid_p
     return PaddedView(keys=torch.randn(b, h, length, d, generator=gen), values=torch.randn(b, h, length, d, generator=gen),
@@ -156,10 +156,10 @@ def _random_view(b, h, length, d, gen, valid_p=0.7):
 
 
 def test_rotated_tier_attention_equals_one_softmax_over_the_rotated_back_entries():
-    from vlm_kv.attention import rotated_tier_attention
+    from vlm_kv.attention.reference import rotated_tier_attention
     from vlm_kv.kernels.int2 import hadamard_basis
-    from vlm_kv.storage import PaddedView
-    from vlm_kv.tier_router import merge_views
+    from vlm_kv.storage.store import PaddedView
+    from vlm_kv.tiers.window_router import merge_views
 
     gen = torch.Generator().manual_seed(3)
     fp, tier = _random_view(2, 2, 9, 16, gen), _random_view(2, 2, 12, 16, gen)

@@ -1,6 +1,6 @@
 import pytest
 
-from vlm_kv.budget import Budget, BudgetError
+from vlm_kv.config import Budget, BudgetError
 
 
 def test_fraction_and_tokens_parse():

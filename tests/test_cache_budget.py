@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.testing import feed_tokens, random_tokens, record_evictions, tiny_model
+from vlm_kv.testing import feed_tokens, record_evictions, tiny_model
 from vlm_kv.policies import POLICIES
 
 # text-only model: visual-only policies (fastv, visionzip) are covered with images in tests/policies

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from vlm_kv.calibrate import CalibrationConfig, Calibrator, allocate, calibrate, plot_strategy, probe_cache, probe_strategy
+from vlm_kv.train.calibrate.calibrate import CalibrationConfig, Calibrator, allocate, calibrate, plot_strategy
+from vlm_kv.train.calibrate.probes import probe_cache, probe_strategy
 from vlm_kv.models.adapters import get_adapter
 from vlm_kv.testing import tiny_model, tiny_tokenizer
 
@@ -97,14 +98,14 @@ def test_decode_phase_and_refusals(setup, tmp_path):
         _config(phases=["decode"]).check()
     progress = tmp_path / "p.progress.json"
     calibrate(model, tok, [text], _config(candidates=["h2o"]), progress_path=str(progress), show_progress=False)
-    from vlm_kv.strategy import StrategyError
+    from vlm_kv.policies.strategy import StrategyError
     with pytest.raises(StrategyError, match="another calibration"):  # other windows: other measurements
         calibrate(model, tok, [text], _config(candidates=["h2o"], context=40), progress_path=str(progress),
                   show_progress=False)
 
 
 def test_cli_checks_before_loading(tmp_path, capsys):
-    from vlm_kv.cli import main
+    from vlm_kv.cli.main import main
 
     assert main(["calibrate", "--data", str(tmp_path / "none.txt"), "--budget", "0.1", "--out", "s.json"]) == 2
     assert "text file not found" in capsys.readouterr().err
@@ -143,7 +144,7 @@ def test_leave_one_out_against_a_compressed_baseline(setup, tmp_path):
     sub = calibrate(model, tok, [text], _config(candidates=["h2o", "tova"], **cfg), progress_path=progress,
                     show_progress=False, only_measured=True)
     assert all(e.pattern in {"h2o", "tova"} for e in sub.layers["prefill"])
-    from vlm_kv.strategy import StrategyError
+    from vlm_kv.policies.strategy import StrategyError
     with pytest.raises(StrategyError, match="is not in"):
         calibrate(model, tok, [text], _config(candidates=["snapkv", "tova"], **cfg), progress_path=progress,
                   show_progress=False, only_measured=True)
@@ -185,10 +186,11 @@ def test_budget_shares_from_the_gates(setup, tmp_path):
     entries = json.loads(open(progress).read())["results"]["gate_entries|dbtrimkv"]["entries"]
     # the entries a DBTrimKV cache keeps per layer at the end of the window, at the global budget
     import vlm_kv
-    from vlm_kv.calibrate import _feed, calibration_windows
+    from vlm_kv.train.calibrate.calibrate import calibration_windows
+    from vlm_kv.train.calibrate.probes import feed
     (window,) = calibration_windows(tok, [text], cfg)
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, gates=gates, evict_every=4, seed=3)
-    _feed(model, cache, window.ids, 48)
+    feed(model, cache, window.ids, 48)
     assert entries == [layer.store.num_entries() for layer in cache.layers]
     budgets = [e.budget for e in s.layers["prefill"]]
     assert budgets == pytest.approx([0.2 * n / sum(entries) for n in entries], rel=1e-6)

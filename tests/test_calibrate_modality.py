@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 
 import vlm_kv
-from vlm_kv import calibrate_modality
-from vlm_kv.calibrate import CalibrationConfig, Calibrator, calibrate, plot_strategy
-from vlm_kv.calibrate_modality import less_shares, modality_shares, start_shares
-from vlm_kv.strategy import Strategy
+from vlm_kv.train.calibrate import modality as calibrate_modality
+from vlm_kv.train.calibrate.calibrate import CalibrationConfig, Calibrator, calibrate, plot_strategy
+from vlm_kv.train.calibrate.modality import less_shares, modality_shares, start_shares
+from vlm_kv.policies.strategy import Strategy
 from vlm_kv.testing import (
     record_evictions,
     tiny_inputs,
@@ -146,7 +146,7 @@ def test_image_calibration_writes_shares_is_deterministic_and_resumes(setup, mon
     assert cache.stats()["per_modality"]["image"] > 0
     # the plot draws the modality shares of the phase
     drawn = []
-    import vlm_kv.calibrate as calibrate_module
+    import vlm_kv.train.calibrate.calibrate as calibrate_module
     monkeypatch.setattr(calibrate_module, "_plot_modality_shares", lambda ax, entries, phase: drawn.append(phase))
     plot_strategy(full, str(folder / "s.png"))
     assert drawn == ["prefill"] and (folder / "s.png").stat().st_size > 1000
@@ -176,7 +176,7 @@ def test_bad_image_data_and_models_fail_clearly(setup, tmp_path):
 
 
 def test_cli_image_data(setup, tmp_path, capsys):
-    from vlm_kv.cli import main
+    from vlm_kv.cli.main import main
     from vlm_kv.testing import save_tiny_vlm
 
     _, _, data, folder = setup

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-import vlm_kv.cli as cli
-from vlm_kv.cli import main
+import vlm_kv.cli.main as cli
+from vlm_kv.cli.main import main
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_bench_runs_each_row_in_its_own_process_by_default(capsys, monkeypatch):
 
 
 def test_bench_interleave_runs_every_cache_once_per_repeat(capsys, monkeypatch, smollm2):
-    import vlm_kv.bench as bench
+    import vlm_kv.cli.bench as bench
 
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
     order = []
@@ -142,7 +142,7 @@ def test_bench_interleave_runs_every_cache_once_per_repeat(capsys, monkeypatch, 
 
 
 def test_median_row_takes_medians_of_times_and_maxima_of_peaks():
-    from vlm_kv.bench import BenchRow, median_row
+    from vlm_kv.cli.bench import BenchRow, median_row
 
     def row(prefill, ms, peak):
         return BenchRow("snapkv", 0.1, 64, None, prefill, ms, 1000 / ms, 0.1, peak, peak, peak, "cpu", "float32")

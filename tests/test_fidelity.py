@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from vlm_kv.cli import main
-from vlm_kv.fidelity import fidelity
+from vlm_kv.cli.main import main
+from vlm_kv.eval.fidelity import fidelity
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_shipped_gates_drive_dbtrimkv_by_default(short_runs):
 
 
 def test_demo_prints_both_answers_and_memory(smollm2, capsys):
-    from vlm_kv.demo import run_demo
+    from vlm_kv.cli.demo import run_demo
 
     questions = ("To whom are the letters addressed?", "Where is the writer going?")
     assert run_demo(budget=0.25, max_new_tokens=6, questions=questions, loaded=smollm2) == 0
@@ -56,7 +56,7 @@ def test_demo_prints_both_answers_and_memory(smollm2, capsys):
 
 
 def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeypatch):
-    import vlm_kv.cli as cli
+    import vlm_kv.cli.main as cli
 
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
     code = main(["fidelity", "--model", "smollm2", "--text", str(shared_data / "text" / "pg84.txt"),

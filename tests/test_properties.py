@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import vlm_kv
-from vlm_kv.budget import BudgetError
+from vlm_kv.config import BudgetError
 from vlm_kv.policies import POLICIES
-from vlm_kv.report import layer_tensor_bytes
+from vlm_kv.cache.report import layer_tensor_bytes
 from vlm_kv.testing import record_evictions, tiny_gates, tiny_inputs, tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")

@@ -20,9 +20,9 @@ def _block_after(marker: str, language: str) -> str:
 
 
 def test_smollm2_howto_runs(smollm2, monkeypatch, capsys):
-    import vlm_kv.smollm2
+    import vlm_kv.models.smollm2
 
-    monkeypatch.setattr(vlm_kv.smollm2, "load_smollm2", lambda: smollm2)  # the session's copy, loaded once
+    monkeypatch.setattr(vlm_kv.models.smollm2, "load_smollm2", lambda: smollm2)  # the session's copy, loaded once
     exec(compile(_block_after("**SmolLM2 from Python.**", "python"), "README.md", "exec"), {})
     answer, numbers = capsys.readouterr().out.strip().rsplit("\n", 1)
     kv_total, entries = (int(x) for x in numbers.split())
@@ -34,7 +34,7 @@ def test_tiny_vlm_and_mmdu_howto_run_from_the_repository_root(tmp_path):
     for line in _block_after("**A tiny VLM for the eval commands", "bash").strip().splitlines():
         argv = shlex.split(line.replace("runs/", f"{tmp_path}/"))
         if argv[0] == "vlm-kv":
-            argv = [sys.executable, "-m", "vlm_kv.cli", *argv[1:]]
+            argv = [sys.executable, "-m", "vlm_kv.cli.main", *argv[1:]]
         elif argv[0] == "python":
             argv[0] = sys.executable
         run = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,

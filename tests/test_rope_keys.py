@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv.rope_keys import KeyRotation
+from vlm_kv.tiers.rope_keys import KeyRotation
 from vlm_kv.testing import record_evictions, tiny_model
 
 

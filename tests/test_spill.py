@@ -7,10 +7,11 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.cli_options import add_tier_args, tier_kwargs
-from vlm_kv.int2_tier import SpillCopies
+from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
+from vlm_kv.tiers.int2_tier import SpillCopies
 from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_tokens, record_evictions, tiny_gates, tiny_model
-from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig
+from vlm_kv.config import TierConfig
+from vlm_kv.tiers.window_router import EVICT, FP, INT2
 
 
 

@@ -1,6 +1,6 @@
 import torch
 
-from vlm_kv.storage import VarlenKVStore
+from vlm_kv.storage.store import VarlenKVStore
 
 
 def _store(b=2, h=3, d=4):

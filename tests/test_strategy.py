@@ -4,7 +4,7 @@ import json
 import pytest
 
 from vlm_kv.models.adapters import get_adapter
-from vlm_kv.strategy import LayerEntry, Strategy, StrategyError, uniform_strategy
+from vlm_kv.policies.strategy import LayerEntry, Strategy, StrategyError, uniform_strategy
 from vlm_kv.testing import tiny_model
 
 
@@ -108,7 +108,7 @@ def test_ablations_keep_one_half_of_the_strategy(model):
 # ------------------------------------------------------------------ --strategy on the command lines
 
 def test_bench_passes_the_strategy_to_polykv_only(monkeypatch):
-    import vlm_kv.bench as bench_mod
+    import vlm_kv.cli.bench as bench_mod
 
     made = []
     monkeypatch.setattr(bench_mod, "make_cache", lambda model, **kw: made.append(kw))
@@ -124,8 +124,7 @@ def test_bench_passes_the_strategy_to_polykv_only(monkeypatch):
 def test_clis_take_a_strategy(monkeypatch, capsys):
     import argparse
 
-    import vlm_kv.cli as cli
-    import vlm_kv.demo as demo
+    import vlm_kv.cli.main as cli
     from vlm_kv.eval.lmms_eval_model import split_model_args
     from vlm_kv.eval.sweep_cli import _cache_kwargs
 
@@ -133,8 +132,8 @@ def test_clis_take_a_strategy(monkeypatch, capsys):
     assert cli.main(["bench", "--policies", "snapkv", "--strategy", "s.json"]) == 2
     assert "--strategy is for policy 'polykv'" in capsys.readouterr().err
     seen = {}
-    monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.update(kw) or 0)
-    monkeypatch.setattr(cli, "_check_model", lambda name: None)
+    monkeypatch.setattr(cli, "run_demo", lambda **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(cli, "check_model", lambda name: None)
     assert cli.main(["demo", "--policy", "polykv", "--strategy", "s.json"]) == 0 and seen["strategy"] == "s.json"
     _, cache = split_model_args("pretrained=/m,policy=polykv,budget=0.1,strategy=s.json")
     assert cache == {"policy": "polykv", "budget": 0.1, "strategy": "s.json"}

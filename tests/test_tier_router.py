@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.int2_tier import QuantizedWindows
+from vlm_kv.tiers.int2_tier import QuantizedWindows
 from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_tokens, record_evictions, tiny_gates, tiny_inputs, tiny_model
-from vlm_kv.tier_router import EVICT, FP, INT2, TierConfig, TierRouter, reduce_windows
+from vlm_kv.config import TierConfig
+from vlm_kv.tiers.window_router import EVICT, FP, INT2, TierRouter, reduce_windows
 
 TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_llm", "dbtrimkv"]
 # 300 decode steps for three scorers (window mass per row, observation window per layer, gates globally);
@@ -134,8 +135,8 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(p
     gates = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
     cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, tiers="int2", fp_unit=fp_unit, **gates)
     calls = []
-    rotated = vlm_kv.attention.rotated_tier_attention
-    monkeypatch.setattr(vlm_kv.attention, "rotated_tier_attention", lambda *a: calls.append(1) or rotated(*a))
+    rotated = vlm_kv.attention.reference.rotated_tier_attention
+    monkeypatch.setattr(vlm_kv.attention.reference, "rotated_tier_attention", lambda *a: calls.append(1) or rotated(*a))
     tokens = random_tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # batch padding on the left
@@ -207,7 +208,7 @@ def test_kivi2_quantizes_everything_but_sinks_and_residual_and_evicts_nothing():
     per_row_fp = stats["fp_entries"] // (2 * model.config.num_key_value_heads)
     assert 8 + 16 <= per_row_fp <= 8 + 16 + 2 * 8
     assert cache.kv_bytes()["total"] < 0.6 * cache.full_kv_bytes()
-    with pytest.raises(vlm_kv.budget.BudgetError, match="budget=1.0"):
+    with pytest.raises(vlm_kv.config.BudgetError, match="budget=1.0"):
         vlm_kv.make_cache(model, policy="kivi2", budget=0.1)
 
 
@@ -322,7 +323,7 @@ def test_quantized_windows_round_trip_their_grid():
 
 
 def test_a_hadamard_tier_stores_rotated_codes_and_gives_back_the_entries():
-    from vlm_kv.int2_tier import Int2Tier
+    from vlm_kv.tiers.int2_tier import Int2Tier
     from vlm_kv.kernels.int2 import hadamard_basis
 
     gen = torch.Generator().manual_seed(1)
@@ -383,18 +384,18 @@ def test_chunked_prefill_routes_after_every_chunk_within_budget():
 
 def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(monkeypatch):
     """The torch decode path attends Hadamard windows with q @ H (no per-entry rotation): same logits."""
-    from vlm_kv.int2_tier import Int2Tier
+    from vlm_kv.tiers.int2_tier import Int2Tier
 
     model = tiny_model("llama")
     tokens = random_tokens(64 + 24, vocab=model.config.vocab_size)
     calls = []
-    rotated = vlm_kv.attention.rotated_tier_attention
+    rotated = vlm_kv.attention.reference.rotated_tier_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return rotated(*args, **kwargs)
 
-    monkeypatch.setattr(vlm_kv.attention, "rotated_tier_attention", counted)
+    monkeypatch.setattr(vlm_kv.attention.reference, "rotated_tier_attention", counted)
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
     fast = feed_tokens(model, cache, tokens, 64)
     assert calls and cache.layers[0].tier.rotated and cache.stats()["per_tier"]["int2_windows"] > 0

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv import token_routing
+from vlm_kv.tiers import entry_router as token_routing
 from vlm_kv.testing import feed_tokens, random_tokens, record_evictions, tiny_gates, tiny_model
-from vlm_kv.tier_windows import FP, INT2
+from vlm_kv.tiers.windows import FP, INT2
 
 
 def _rows(layer):
@@ -167,7 +167,7 @@ def test_a_promoted_entry_is_its_original_only_with_spill(monkeypatch, spill, ke
 def test_fp_unit_cli_option_reaches_the_cache_and_needs_tiers():
     import argparse
 
-    from vlm_kv.cli_options import add_tier_args, tier_kwargs
+    from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
 
     p = argparse.ArgumentParser()
     add_tier_args(p)
@@ -232,7 +232,7 @@ def test_the_int2_share_follows_the_budget_fraction_of_each_sequence(monkeypatch
 
 @pytest.mark.parametrize("bad", [(0.1, 0.5, 0.05, 0.3), (0.1, 1.0, 0.25, 0.3), (0.1, 0.5, 0.25)])
 def test_bad_share_schedules_are_refused(bad):
-    from vlm_kv.tier_router import TierConfig
+    from vlm_kv.config import TierConfig
 
     with pytest.raises(ValueError, match="int2_share_by_budget"):
         TierConfig(fp_unit="token", int2_share_by_budget=bad)

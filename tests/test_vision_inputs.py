@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from vlm_kv.testing import tiny_processor
-from vlm_kv.vision_inputs import qwen_vision_info, resize_image, smart_resize
+from vlm_kv.models.vision_inputs import qwen_vision_info, resize_image, smart_resize
 
 SIZES = [(500, 300), (37, 1200), (28, 28), (3000, 2000), (13, 17), (640, 480)]
 

@@ -12,7 +12,7 @@ Sources (any mix, one ``--data`` file each):
   to the JSONL file's folder. A video is a list of frame images, in order.
 
 Qwen VL processors get their images (and videos) through qwen-vl-utils' sizing
-(``vlm_kv.vision_inputs``: ``min_pixels`` / ``max_pixels``, default the processor's own limits).
+(``vlm_kv.models.vision_inputs``: ``min_pixels`` / ``max_pixels``, default the processor's own limits).
 Videos go through the processor's video processor (transformers needs torchvision for it).
 
 Text documents are tokenized, joined with EOS and packed into ``max_length`` chunks (a tail
@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from PIL import Image
+
+from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 
 IGNORE = -100
 
@@ -128,8 +131,6 @@ def _resolve_item(item: dict, resolve) -> dict:
 
 
 def _load_media(item: dict) -> dict:
-    from PIL import Image
-
     def load(path: str):
         with Image.open(path) as im:
             return im.convert("RGB")
@@ -193,8 +194,6 @@ class TrainingData:
     # ---------------------------------------------------------------- conversations
 
     def _render(self, conv: _Conversation) -> dict:
-        from vlm_kv.vision_inputs import is_qwen_vl_processor, qwen_vision_info
-
         messages = []
         for m in conv.messages:
             content = m["content"]

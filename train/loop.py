@@ -50,13 +50,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from accelerate import Accelerator
+from tqdm.auto import tqdm
 
-from vlm_kv.gates.hooks import SoftRetention
-from vlm_kv.gates.io import save_gates
+from vlm_kv.api import attach
+from vlm_kv.gates.io import load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
-from vlm_kv.loading import load_model_and_processor
+from vlm_kv.models.loading import load_model_and_processor
 from vlm_kv.train.data import TrainingData
 from vlm_kv.train.losses import budget_from_fraction, capacity_loss, distill_losses
+from vlm_kv.train.soft_retention import SoftRetention
 
 CKPT_DIR = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -206,9 +209,6 @@ def _training_info(cfg: TrainConfig) -> dict:
 
 def train_gates(config: TrainConfig | dict) -> dict:
     """Train retention gates for a frozen model; returns a summary dict (out, step, last metrics)."""
-    from accelerate import Accelerator
-
-    from vlm_kv.api import attach
 
     cfg = config if isinstance(config, TrainConfig) else TrainConfig(**config)
     check_budget(cfg)
@@ -234,9 +234,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
                           coupled=cfg.coupled, model=adapter.fingerprint(), training=_training_info(cfg))
     gates = RetentionGates(gate_cfg)
     if cfg.init_gates:
-        from vlm_kv.gates.io import load_gates
-
-        start_from = load_gates(cfg.init_gates, model=model)
+        start_from = load_gates(cfg.init_gates, fingerprint=adapter.fingerprint())
         if (start_from.config.kind, start_from.config.width, start_from.config.coupled) != (cfg.kind, cfg.width, cfg.coupled):
             raise ValueError(f"init_gates {cfg.init_gates} are {start_from.config.kind} width {start_from.config.width} "
                              f"coupled={start_from.config.coupled}; this run trains {cfg.kind} width {cfg.width} "
@@ -296,8 +294,6 @@ def train_gates(config: TrainConfig | dict) -> dict:
     last_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at is not None else cfg.steps
     bar = None
     if cfg.progress and accelerator.is_main_process:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=cfg.steps, initial=start, desc="train-gates", dynamic_ncols=True)
     metrics: dict = {}
     times: list[float] = []

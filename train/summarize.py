@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlm_kv.train.summarize")
     p.add_argument("--run", action="append", default=[], metavar="LABEL=DIR",
                    help="a training run folder and the label of its fidelity cells")
-    p.add_argument("--fidelity", action="append", default=[], help="fidelity JSONL(s) from vlm_kv.gates.evaluate")
+    p.add_argument("--fidelity", action="append", default=[], help="fidelity JSONL(s) from vlm_kv.eval.gate_cells")
     p.add_argument("--out", required=True, help="JSONL, one line per run")
     p.add_argument("--csv", default=None)
     args = p.parse_args(argv)

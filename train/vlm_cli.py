@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vlm_kv.dataclass_cli import add_dataclass_args, dataclass_from_args
+from vlm_kv.arguments.dataclass_flags import add_dataclass_args, dataclass_from_args
 from vlm_kv.train.vlm_train import VLMTrainConfig, train_vlm
 
 

@@ -36,13 +36,27 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from vlm_kv.dataclass_cli import setting
-from vlm_kv.models.smollava import (IMAGE_TOKEN, IMAGE_TOKENS, SYSTEM_PROMPT, build_smollava,
-                                    load_trained_parts, pixel_values, save_trained_parts)
-from vlm_kv.train.vlm_tasks import (IMAGE_MARK, TRAIN_SEED, Item, answer_matches, draw_scene, make_item)
+from vlm_kv.arguments.dataclass_flags import setting
+from vlm_kv.eval.visual_qa import IGNORE, conversation_pieces, encode_pieces, evaluate
+from vlm_kv.eval.visual_tasks import (
+    BLANK,
+    CODE_CHARS,
+    COLOURS,
+    SHAPES,
+    TRAIN_SEED,
+    Item,
+    draw_scene,
+    make_item,
+)
+from vlm_kv.models.smollava import (
+    build_smollava,
+    load_trained_parts,
+    pixel_values,
+    save_trained_parts,
+)
 
-IGNORE = -100
 CHECKPOINT = "checkpoint.pt"
 STAGE1 = "stage1"  # trained parts at the end of the patch stage
 METRICS = "metrics.jsonl"
@@ -106,41 +120,6 @@ class VLMTrainConfig:
 
 # ---- sequences -------------------------------------------------------------------------------
 
-def _user_text(item: Item, turn: int) -> str:
-    question = item.questions[turn].text
-    return (item.preamble + question) if turn == 0 else question
-
-
-def conversation_pieces(item: Item, answers: list[str] | None = None, turns: int | None = None) -> list[tuple[str, bool]]:
-    """The chat text of ``item`` as (piece, is_answer) pairs, mirroring smollava's chat template.
-
-    Turn ``k`` is the user's question (the captioned images come before the first) and, when
-    ``answers`` has an entry for it, the assistant's answer; the last turn without an answer
-    ends with the generation prompt. Images are ``IMAGE_TOKEN`` (expanded when tokenized).
-    """
-    turns = len(item.questions) if turns is None else turns
-    answers = answers or []
-    pieces = [(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n", False)]
-    for k in range(turns):
-        user = _user_text(item, k).replace(IMAGE_MARK, IMAGE_TOKEN)
-        pieces.append((f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", False))
-        if k < len(answers):
-            pieces.append((f"{answers[k]}<|im_end|>", True))
-            pieces.append(("\n", False))
-    return pieces
-
-
-def encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
-    """Token ids (each image token expanded to its 196 positions) and labels (answers only)."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, is_answer in pieces:
-        piece = tokenizer.encode(text.replace(IMAGE_TOKEN, IMAGE_TOKEN * IMAGE_TOKENS), add_special_tokens=False)
-        ids += piece
-        labels += piece if is_answer else [IGNORE] * len(piece)
-    return ids, labels
-
-
 def _batch(tokenizer, items: list[Item], turns: int | None = None):
     rows = [encode_pieces(tokenizer, conversation_pieces(it, [q.answer for q in it.questions], turns)) for it in items]
     width = max(len(ids) for ids, _ in rows)
@@ -162,8 +141,6 @@ class PatchTargets:
     """Token ids of every text a cell may stand for, and the frozen embedding table."""
 
     def __init__(self, tokenizer, embeddings: torch.Tensor):
-        from vlm_kv.train.vlm_tasks import BLANK, CODE_CHARS, COLOURS, SHAPES
-
         texts = [BLANK, *CODE_CHARS] + [" " + w for w in (*COLOURS, *SHAPES, "left", "right", "above", "below")]
         ids = []
         for t in texts:
@@ -215,47 +192,6 @@ def patch_loss(tokens: torch.Tensor, target_ids: torch.Tensor, targets: PatchTar
 
 
 # ---- evaluation ---------------------------------------------------------------------------------
-
-@torch.no_grad()
-def answer(model, tokenizer, item: Item, max_new_tokens: int = 8, cache=None) -> list[str]:
-    """Greedy answers to every question of ``item``, turn by turn on one cache, as a chat runs:
-    each turn's prompt is appended to the tokens the model has seen and written so far, so
-    turn k prefills only its own question on top of the (possibly compressed) cache."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache() if cache is None else cache
-    device = next(model.parameters()).device
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    history = torch.tensor([encode_pieces(tokenizer, conversation_pieces(item, [], 1))[0]], device=device)
-    answers: list[str] = []
-    for k, question in enumerate(item.questions):
-        kwargs = {}
-        if k == 0:
-            kwargs["pixel_values"] = pixel_values(item.images).to(device, next(model.parameters()).dtype)
-        else:
-            closed = history[0, -1].item() == end_id
-            turn = ("" if closed else "<|im_end|>") + f"\n<|im_start|>user\n{question.text}<|im_end|>\n<|im_start|>assistant\n"
-            more = torch.tensor([tokenizer.encode(turn, add_special_tokens=False)], device=device)
-            history = torch.cat([history, more], dim=1)
-        out = model.generate(input_ids=history, attention_mask=torch.ones_like(history), past_key_values=cache,
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end_id,
-                             pad_token_id=tokenizer.pad_token_id, **kwargs)
-        answers.append(tokenizer.decode(out[0, history.shape[1]:], skip_special_tokens=True).strip())
-        history = out
-    return answers
-
-
-def evaluate(model, tokenizer, task: str, seed: int, count: int, **item_kwargs) -> dict:
-    """Exact-match accuracy of greedy answers over ``count`` items, per question kind."""
-    hits: dict[str, list[bool]] = {}
-    for i in range(count):
-        item = make_item(task, seed, i, **item_kwargs)
-        for q, a in zip(item.questions, answer(model, tokenizer, item)):
-            hits.setdefault(q.kind, []).append(answer_matches(a, q.answer))
-    every = [h for v in hits.values() for h in v]
-    return {"task": task, "accuracy": float(np.mean(every)), "questions": len(every),
-            "by_kind": {k: float(np.mean(v)) for k, v in sorted(hits.items())}}
-
 
 # ---- the loop -----------------------------------------------------------------------------------
 
@@ -346,8 +282,6 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
     end = cfg.total_steps if not cfg.stop_at else min(cfg.total_steps, cfg.stop_at)
     bar = None
     if cfg.progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=cfg.total_steps, initial=done, desc="train-vlm", dynamic_ncols=True)
     last_eval: dict = {}
     model.train()

@@ -5,9 +5,9 @@
 """
 
 from vlm_kv.api import attach, make_cache
-from vlm_kv.attention import AttentionBypassError
-from vlm_kv.budget import Budget, BudgetError
-from vlm_kv.cache import CacheMisuseError, CompressedCache
+from vlm_kv.attention.handoff import AttentionBypassError
+from vlm_kv.config import Budget, BudgetError
+from vlm_kv.cache.cache import CacheMisuseError, CompressedCache
 from vlm_kv.policies import POLICIES
 
 __all__ = ["make_cache", "attach", "Budget", "BudgetError", "CompressedCache", "CacheMisuseError", "AttentionBypassError", "POLICIES"]

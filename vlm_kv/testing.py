@@ -20,10 +20,25 @@ Special ids used by the models (``TINY_SPECIAL_IDS``):
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 import torch
+import transformers as tf
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
+from transformers import PreTrainedTokenizerFast
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-from vlm_kv.models.adapters import SUPPORTED_FAMILIES
+from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
+from vlm_kv.models.adapters import SUPPORTED_FAMILIES, get_adapter
+from vlm_kv.models.loading import IMAGE_ONLY_MARKER, without_video_processor
 
 __all__ = [
     "TINY_FAMILIES",
@@ -127,7 +142,6 @@ _QWEN_VISION = dict(
 def tiny_config(family: str, num_layers: int = 2):
     """The config tiny_model(family) is built from (no weights)."""
     _check_family(family)
-    import transformers as tf
 
     text = _text_kwargs(num_layers)
     if family == "llama":
@@ -234,8 +248,6 @@ def tiny_config(family: str, num_layers: int = 2):
 
 
 def _model_class(family: str):
-    import transformers as tf
-
     return {
         "llama": tf.LlamaForCausalLM,
         "qwen2": tf.Qwen2ForCausalLM,
@@ -388,8 +400,6 @@ def tiny_inputs(
         if family == "llava":
             pixel_values = torch.randn(n_total, 3, size, size, generator=gen)
         else:
-            from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
             sizes = [_LLAVA_IMAGE_SIZES[i % len(_LLAVA_IMAGE_SIZES)] for i in range(num_images)] * batch_size
             tiles = [
                 image_size_to_num_patches(list(s), model.config.image_grid_pinpoints, size) for s in sizes
@@ -543,8 +553,6 @@ def tiny_tokenizer(family: str):
     """A byte-level BPE tokenizer (no merges) over the tiny vocabulary, with the family's
     special tokens at ids 0..15 and a chat template. Every id < TINY_VOCAB_SIZE decodes."""
     _check_family(family)
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     specials = list(_QWEN_SPECIALS if _is_qwen(family) else _LLAVA_SPECIALS)
     specials += [f"<|reserved_{i}|>" for i in range(len(specials), _NUM_SPECIAL)]
@@ -579,8 +587,6 @@ def tiny_tokenizer(family: str):
 
 
 def _without_video(cls):
-    from vlm_kv.loading import without_video_processor
-
     return without_video_processor(cls)
 
 
@@ -600,7 +606,6 @@ def tiny_processor(family: str):
     Tokenizer pads on the left.
     """
     _check_family(family)
-    import transformers as tf
 
     tokenizer = tiny_tokenizer(family)
     if family in _TEXT_FAMILIES:
@@ -664,8 +669,6 @@ def tiny_processor(family: str):
 
 def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16, coupled: bool = True):
     """Random-weight retention gates that fit ``model``, with rates spread so eviction has choices."""
-    from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
-    from vlm_kv.models.adapters import get_adapter
 
     adapter = get_adapter(model)
     torch.manual_seed(seed)
@@ -678,12 +681,10 @@ def tiny_gates(model, kind: str = "dbtrimkv", seed: int = 0, width: int = 16, co
 
 def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
     """Save ``tiny_model(family)`` and ``tiny_processor(family)`` to ``folder`` like a checkpoint
-    (the stock processor class name, so ``vlm_kv.loading.load_vlm`` / AutoProcessor find it).
+    (the stock processor class name, so ``vlm_kv.models.loading.load_vlm`` / AutoProcessor find it).
     Families whose tiny processor has no video processor (Qwen VL, OneVision: video processors
-    need torchvision) are marked image-only (``vlm_kv.loading.IMAGE_ONLY_MARKER``), so loading
+    need torchvision) are marked image-only (``vlm_kv.models.loading.IMAGE_ONLY_MARKER``), so loading
     the folder gives that processor without a warning."""
-    import json
-    import os
 
     if family in _TEXT_FAMILIES:
         raise ValueError(f"save_tiny_vlm: {family!r} is a text family")
@@ -700,8 +701,6 @@ def save_tiny_vlm(family: str, folder, seed: int = 0) -> str:
     with open(cfg_path, "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=2)
     if stock is not cls:  # saved without its video processor: say it is image-only on purpose
-        from vlm_kv.loading import IMAGE_ONLY_MARKER
-
         with open(os.path.join(folder, IMAGE_ONLY_MARKER), "w", encoding="utf-8") as fh:
             fh.write("{}\n")
     return folder

@@ -15,9 +15,9 @@ import os
 import torch
 
 from vlm_kv.api import make_cache
-from vlm_kv.fidelity import measure, run_reference, text_tokens
-from vlm_kv.smollm2 import load_model
-from vlm_kv.strategy import Strategy
+from vlm_kv.eval.fidelity import measure, run_reference, text_tokens
+from vlm_kv.models.smollm2 import load_model
+from vlm_kv.policies.strategy import Strategy
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from vlm_kv import cli
+import vlm_kv.cli.main as cli
 
 
 @pytest.mark.parametrize("module, command", [

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import vlm_kv.cli as cli
+import vlm_kv.cli.main as cli
 from vlm_kv.eval.diagnostics import (
     RoutingEvent,
     diagnose,
@@ -311,7 +311,7 @@ def test_cli_forwards_tier_settings_to_the_cache(tiny, text_file, monkeypatch, c
         raise ValueError("stop here")
 
     # the runner builds its cache through make_cache
-    monkeypatch.setattr("vlm_kv.api.make_cache", tiered_make_cache)
+    monkeypatch.setattr("vlm_kv.eval.diagnostics.make_cache", tiered_make_cache)
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: tiny)
     assert cli.main(_cli_args(text_file, "--tiers", "int2", "--int2-share", "0.5")) == 2
     assert "stop here" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import os
 import pytest
 from PIL import Image
 
-from vlm_kv import cli
+import vlm_kv.cli.main as cli
 from vlm_kv.eval import mathvision_run as mr
 from vlm_kv.eval import mmdu_run as mm
 from vlm_kv.eval.shard import Shard

@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from vlm_kv.gates.evaluate import cell_key, parse_cell
+from vlm_kv.eval.gate_cells import cell_key, parse_cell
 
 
 def test_cells_parse_gates_sinks_and_threshold():

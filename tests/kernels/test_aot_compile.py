@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from vlm_kv.eval import kernel_census  # noqa: E402
 from vlm_kv.kernels import aot  # noqa: E402
 
 SM80, SM90 = aot.TARGETS["sm_80"], aot.TARGETS["sm_90"]
@@ -32,7 +33,7 @@ DECODE_VARIANTS_PER_CELL = 1 + 2 * 2 * 2 + 3
 
 @pytest.fixture(scope="module")
 def sm90_census():
-    return aot.census(SM90)
+    return kernel_census.census(SM90)
 
 
 def _pre_fix_probe(variants: list[aot.Variant]) -> aot.Variant:
@@ -47,7 +48,7 @@ def _pre_fix_probe(variants: list[aot.Variant]) -> aot.Variant:
 def compiled(sm90_census):
     sm90 = [v for v in sm90_census if v.params["group"] == 7]
     group8 = tuple(s for s in aot.decode_shapes() if s.group == 8)
-    sm80 = aot.census(SM80, aot.Matrix(shapes=group8, dtypes=(torch.float32, torch.bfloat16)))
+    sm80 = kernel_census.census(SM80, kernel_census.Matrix(shapes=group8, dtypes=(torch.float32, torch.bfloat16)))
     jobs = [(v, SM90) for v in sm90] + [(_pre_fix_probe(sm90), SM90)] + [(v, SM80) for v in sm80]
     records = aot.compile_jobs(jobs, workers=WORKERS)
     return records[:len(sm90)], records[len(sm90)], records[len(sm90) + 1:]
@@ -153,7 +154,7 @@ def test_committed_table_matches_the_census_and_shows_no_problem():
         "the kernels changed: rerun scripts/kernel_compile_table.py --json docs/kernels/compile_sm80_sm90.json"
     records = [aot.CompileRecord(**r) for r in table["records"]]
     for target in (SM80, SM90):
-        want = sorted(json.dumps(v.params, sort_keys=True) for v in aot.census(target))
+        want = sorted(json.dumps(v.params, sort_keys=True) for v in kernel_census.census(target))
         got = sorted(json.dumps(r.params, sort_keys=True) for r in records if r.target == target.name)
         assert got == want, f"{target.name}: rerun scripts/kernel_compile_table.py --json docs/kernels/compile_sm80_sm90.json"
     assert not [p for r in records for p in r.problems()]

@@ -41,16 +41,16 @@ def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kern
     # token: windows with holes, read with a slot mask; int8: the compact key grid, decoded for the kernel;
     # hadamard: rotated codes, read as their own source with the rotated query
     """The kernel reads the packed INT2 windows beside the FP body and tail, in one softmax."""
-    from vlm_kv.cache import CompressedLayer
+    from vlm_kv.attention import backend as attention_backend
 
     calls = []
-    kernel_path = CompressedLayer._attend_tiered_triton
+    kernel_path = attention_backend.tiered_decode_attention_triton
 
-    def counted(self, *args, **kwargs):
-        calls.append(self.layer_idx)
-        return kernel_path(self, *args, **kwargs)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel_path(*args, **kwargs)
 
-    monkeypatch.setattr(CompressedLayer, "_attend_tiered_triton", counted)
+    monkeypatch.setattr(attention_backend, "tiered_decode_attention_triton", counted)
     model = tiny_model("qwen2")
     ids = torch.randint(16, 200, (1, 72), generator=torch.Generator().manual_seed(0))
     kwargs = dict(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True,

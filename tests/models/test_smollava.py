@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from vlm_kv.models import smollava as S
-from vlm_kv.train.vlm_tasks import make_item
-from vlm_kv.train.vlm_train import conversation_pieces, encode_pieces, visual_tokens
+from vlm_kv.eval.visual_tasks import make_item
+from vlm_kv.eval.visual_qa import conversation_pieces, encode_pieces
+from vlm_kv.train.vlm_train import visual_tokens
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ proportion to exp(key_i): the test decides which entries draw attention.
 """
 import torch
 
-from vlm_kv.allocation import HeadAdaptive, Uniform
+from vlm_kv.storage.allocation import HeadAdaptive, Uniform
 from vlm_kv.policies import H2O, KNorm, RandomScorer, SnapKV, StreamingLLM, TOVA
 from vlm_kv.policies.base import ScoreContext, protect
-from vlm_kv.storage import VarlenKVStore
+from vlm_kv.storage.store import VarlenKVStore
 
 N, D = 40, 4
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv.allocation import Uniform
+from vlm_kv.storage.allocation import Uniform
 from vlm_kv.models.adapters import get_adapter
-from vlm_kv.policies import RKV, FastV, VisionZip
+from vlm_kv.policies.fastv import FastV
+from vlm_kv.policies.rkv import RKV
+from vlm_kv.policies.visionzip import VisionZip
 from vlm_kv.policies.base import ScoreContext, protect
-from vlm_kv.storage import VarlenKVStore
+from vlm_kv.storage.store import VarlenKVStore
 from vlm_kv.testing import tiny_inputs, tiny_model
 
 N, D = 40, 64

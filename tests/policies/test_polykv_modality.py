@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv.budget import Budget
-from vlm_kv.evictor import Evictor
+from vlm_kv.config import Budget
+from vlm_kv.eviction.evictor import Evictor
 from vlm_kv.models.adapters import get_adapter
 from vlm_kv.policies import PolyKV, PolyKVAllocation
 from vlm_kv.policies.polykv import modality_quotas, split_by_modality
-from vlm_kv.storage import VarlenKVStore
-from vlm_kv.strategy import LayerEntry, Strategy
+from vlm_kv.storage.store import VarlenKVStore
+from vlm_kv.policies.strategy import LayerEntry, Strategy
 from vlm_kv.testing import tiny_inputs, tiny_model
 
 N, D = 40, 4

@@ -30,11 +30,11 @@ def test_two_cpu_processes_train_the_same_gates_as_one(tmp_path):
                     "a man may be on his first entering a neighbourhood, this truth is so well fixed. " * 8)
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")  # accelerate: gloo across CPU processes
     env.pop("WORLD_SIZE", None)
-    one = subprocess.run([sys.executable, "-m", "vlm_kv.cli", *_args(folder, text, tmp_path / "one", 2)],
+    one = subprocess.run([sys.executable, "-m", "vlm_kv.cli.main", *_args(folder, text, tmp_path / "one", 2)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "vlm_kv.cli", *_args(folder, text, tmp_path / "two", 1)],
+                          "-m", "vlm_kv.cli.main", *_args(folder, text, tmp_path / "two", 1)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
 

@@ -7,6 +7,7 @@ from PIL import Image, ImageDraw
 
 from vlm_kv import make_cache
 from vlm_kv.gates.io import load_gates
+from vlm_kv.models.adapters import get_adapter
 from vlm_kv.testing import tiny_model, tiny_processor
 from vlm_kv.train.loop import TrainConfig, latest_checkpoint, train_gates
 
@@ -57,7 +58,7 @@ def test_train_save_load_generate_with_images(tmp_path, family):
     assert lines[-1]["live"] < lines[0]["live"]
     assert res["step"] == 6 and all(not p.requires_grad for p in model.parameters())
 
-    gates = load_gates(str(out), model=model)
+    gates = load_gates(str(out), fingerprint=get_adapter(model).fingerprint())
     assert gates.config.training["budget_tokens"] == 8 and gates.config.training["global"] is True
     assert gates.config.training["data"] == [str(single)] and gates.config.training["max_length"] == 64
     for a, b in zip(gates.state_dict().values(), res["gates"].state_dict().values()):
@@ -99,7 +100,7 @@ def test_resume_reproduces_next_step(tmp_path):
 
 
 def test_cli_text_file_tiny_llama(tmp_path):
-    from vlm_kv.cli import build_parser
+    from vlm_kv.cli.main import build_parser
 
     folder = tmp_path / "llama"
     tiny_model("llama").save_pretrained(folder)
@@ -121,7 +122,7 @@ def test_cli_text_file_tiny_llama(tmp_path):
 
 def test_missing_training_data_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
     import vlm_kv.train.loop as loop
-    from vlm_kv.cli import main
+    from vlm_kv.cli.main import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the data files were checked")
@@ -234,7 +235,7 @@ def test_export_checkpoint_of_a_stopped_run(tmp_path):
     res = train_gates(_cfg(model, proc, text, tmp_path / "a", steps=4, stop_at=2, max_length=48))
     assert not (tmp_path / "a" / "gate_config.json").exists()  # not finished: no final gates
     gates = export_checkpoint(latest_checkpoint(str(tmp_path / "a")), str(tmp_path / "x"), dtype=torch.float16)
-    loaded = load_gates(str(tmp_path / "x"), model=model)
+    loaded = load_gates(str(tmp_path / "x"), fingerprint=get_adapter(model).fingerprint())
     assert loaded.config.training["steps_done"] == 2 and loaded.config.training["steps"] == 4
     for a, b in zip(res["gates"].state_dict().values(), loaded.state_dict().values()):
         torch.testing.assert_close(a.half().float(), b)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from vlm_kv.models import smollava as S
+from vlm_kv.eval import visual_qa as Q
 from vlm_kv.train import vlm_train as V
-from vlm_kv.train.vlm_tasks import make_item
+from vlm_kv.eval.visual_tasks import make_item
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,9 @@ def _cfg(tmp_path, **kw):
 
 def test_labels_cover_only_the_answers(tokenizer):
     item = make_item("multi_turn", 0, 0, n_images=2, n_questions=2)
-    ids, labels = V.encode_pieces(tokenizer, V.conversation_pieces(item, ["red", "left"]))
+    ids, labels = Q.encode_pieces(tokenizer, Q.conversation_pieces(item, ["red", "left"]))
     assert ids.count(S.IMAGE_TOKEN_ID) == 2 * S.IMAGE_TOKENS
-    answered = tokenizer.decode([t for t in labels if t != V.IGNORE])
+    answered = tokenizer.decode([t for t in labels if t != Q.IGNORE])
     assert answered == "red<|im_end|>left<|im_end|>"
 
 
@@ -86,9 +87,9 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
     model, _ = _tiny(tokenizer)
     item = make_item("multi_turn", 1, 0, n_images=2, n_questions=2)
     cache = DynamicCache()
-    answers = V.answer(model, tokenizer, item, max_new_tokens=3, cache=cache)
+    answers = Q.answer(model, tokenizer, item, max_new_tokens=3, cache=cache)
     assert len(answers) == 2
-    prompt = len(V.encode_pieces(tokenizer, V.conversation_pieces(item, [], 1))[0])
+    prompt = len(Q.encode_pieces(tokenizer, Q.conversation_pieces(item, [], 1))[0])
     assert cache.get_seq_length() > prompt  # the second turn was prefilled on top of the first
 
 

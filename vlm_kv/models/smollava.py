@@ -7,7 +7,7 @@ Stock transformers ``LlavaForConditionalGeneration``: the language model and its
 SmolLM2-135M-Instruct, unchanged and frozen; a small SigLIP vision tower (224 px, 16 px patches,
 196 visual tokens an image, every patch kept: ``vision_feature_select_strategy="full"``) and
 the two-layer projector were trained here by ``vlm-kv train-vlm`` on the generated tasks of
-``vlm_kv.train.vlm_tasks``. Only those trained parts ship (``pretrained/smollava/``, about
+``vlm_kv.eval.visual_tasks``. Only those trained parts ship (``pretrained/smollava/``, about
 15 MB); the rest is SmolLM2's GGUF weights, de-quantized at load time.
 
 The image placeholder is SmolLM2's unused special token ``<empty_output>`` (id 16), so the
@@ -21,7 +21,18 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    SiglipImageProcessorPil,
+    SiglipVisionConfig,
+)
+
+from vlm_kv.models.smollm2 import load_smollm2
 
 MODEL_NAME = "smollava"
 IMAGE_TOKEN = "<empty_output>"
@@ -65,7 +76,6 @@ __all__ = [
 
 def smollava_config(text_config):
     """A ``LlavaConfig`` around SmolLM2's ``LlamaConfig`` and the small SigLIP tower."""
-    from transformers import LlavaConfig, SiglipVisionConfig
 
     text_config = text_config.__class__.from_dict(text_config.to_dict())
     text_config.quantization_config = None  # the de-quantized weights are plain tensors
@@ -85,7 +95,6 @@ def smollava_config(text_config):
 
 def smollava_processor(tokenizer):
     """A stock ``LlavaProcessor``: SigLIP image processor (224 px, mean/std 0.5) and SmolLM2's tokenizer."""
-    from transformers import LlavaProcessor, SiglipImageProcessorPil
 
     image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_resize=True,
                                            do_rescale=True, do_normalize=True,
@@ -98,7 +107,6 @@ def smollava_processor(tokenizer):
 def pixel_values(images, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The processor's pixel values for 224 x 224 RGB PIL images, without its per-image Python
     loop (what training feeds; tested equal to ``smollava_processor``'s output)."""
-    import numpy as np
 
     arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images])
     if arr.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
@@ -112,11 +120,8 @@ def build_smollava(language_model=None, tokenizer=None, dtype: torch.dtype = tor
 
     ``language_model`` / ``tokenizer``: an already loaded SmolLM2 (``load_smollm2``), else loaded.
     """
-    from transformers import LlavaForConditionalGeneration
 
     if language_model is None:
-        from vlm_kv.smollm2 import load_smollm2
-
         language_model, tokenizer = load_smollm2(dtype)
     config = smollava_config(language_model.config)
     model = LlavaForConditionalGeneration(config)
@@ -136,7 +141,6 @@ def trained_state(model) -> dict[str, torch.Tensor]:
 
 def save_trained_parts(model, folder: str | os.PathLike, card: dict | None = None) -> Path:
     """Write the trained parts as float32 safetensors (+ ``card.json`` when given)."""
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -149,7 +153,6 @@ def save_trained_parts(model, folder: str | os.PathLike, card: dict | None = Non
 
 def load_trained_parts(model, folder: str | os.PathLike) -> None:
     """Load saved trained parts into ``model``; every trained parameter must be present."""
-    from safetensors.torch import load_file
 
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():

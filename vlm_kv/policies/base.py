@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from vlm_kv.attention import attention_probs
-from vlm_kv.storage import PaddedView
+from vlm_kv.attention.reference import attention_probs
+from vlm_kv.storage.store import PaddedView
 
 
 @dataclass

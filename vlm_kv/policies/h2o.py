@@ -5,7 +5,7 @@ from typing import ClassVar
 
 import torch
 
-from vlm_kv.attention import attention_received
+from vlm_kv.attention.reference import attention_received
 from vlm_kv.policies.base import ScoreContext, Scorer
 
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from vlm_kv.allocation import Uniform
+from vlm_kv.storage.allocation import Uniform
 from vlm_kv.policies.base import ScoreContext, Scorer
 
 

@@ -28,15 +28,18 @@ for head-adaptive ones (AdaKV). Done in the scorer, so no core hook is needed.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from vlm_kv.allocation import Allocation, HeadAdaptive, Uniform
+from vlm_kv.models.adapters import MODALITIES
 from vlm_kv.policies.base import ScoreContext, Scorer, protected_counts
-from vlm_kv.strategy import PHASES, Strategy
+from vlm_kv.policies.catalog import layer_policy_spec
+from vlm_kv.policies.strategy import PHASES, Strategy, StrategyError, resolve_strategy
+from vlm_kv.storage.allocation import Allocation, HeadAdaptive, Uniform
 
 
 def split_capacity(total: int, shares: list[float], limit: int) -> list[int]:
@@ -101,7 +104,6 @@ def split_by_modality(scores: torch.Tensor, modality: torch.Tensor, valid: torch
 
     scores, modality, valid: [B, H, L]; capacity: [B] entries per head. ``per_head``: quotas per
     head (uniform allocations) or over the whole layer (head-adaptive allocations)."""
-    from vlm_kv.models.adapters import MODALITIES
 
     b, h, length = scores.shape
     present = torch.unique(modality[valid]) if bool(valid.any()) else torch.empty(0)
@@ -243,8 +245,6 @@ class PolyKV(Scorer):
     scorers: dict[str, Scorer] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        from vlm_kv.policies import policy_spec
-
         if not isinstance(self.strategy, Strategy):
             raise ValueError("policy 'polykv' needs a strategy: make_cache(..., policy='polykv', strategy=PATH) "
                              "(calibrate one with `vlm-kv calibrate`)")
@@ -257,8 +257,8 @@ class PolyKV(Scorer):
             row = []
             for i, entry in enumerate(self.strategy.phase(phase)):
                 if entry.pattern not in per_layer[i]:
-                    per_layer[i][entry.pattern] = policy_spec(entry.pattern).scorer()
-                spec = policy_spec(entry.pattern)
+                    per_layer[i][entry.pattern] = layer_policy_spec(entry.pattern).scorer()
+                spec = layer_policy_spec(entry.pattern)
                 per_head = not isinstance(spec.allocation(), HeadAdaptive)
                 row.append(_Pattern(inner=per_layer[i][entry.pattern], modality=entry.modality, per_head=per_head))
             self.scoring[phase] = row
@@ -335,8 +335,6 @@ class PolyKVAllocation(Allocation):
     strategy: Strategy = None
 
     def __post_init__(self) -> None:
-        from vlm_kv.policies import policy_spec
-
         if not isinstance(self.strategy, Strategy):
             raise ValueError("policy 'polykv' needs a strategy: make_cache(..., policy='polykv', strategy=PATH)")
         self.shares = {phase: self.strategy.relative_shares(phase) for phase in PHASES}
@@ -344,7 +342,7 @@ class PolyKVAllocation(Allocation):
         for phase in PHASES:
             row = []
             for entry in self.strategy.phase(phase):
-                alloc = policy_spec(entry.pattern).allocation()
+                alloc = layer_policy_spec(entry.pattern).allocation()
                 row.append(Uniform() if alloc.is_global else alloc)
             self.inner[phase] = row
 
@@ -360,10 +358,6 @@ STRATEGIES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 def default_strategy_for(model) -> str | None:
     """Path of a strategy shipped in the package that fits ``model``, or None."""
-    import glob
-    import os
-
-    from vlm_kv.strategy import StrategyError
 
     for path in sorted(glob.glob(os.path.join(STRATEGIES_DIR, "*.json"))):
         try:
@@ -378,8 +372,6 @@ def strategy_kwargs(model, strategy: "Strategy | str | None", scorer_kwargs: dic
                     allocation_kwargs: dict | None) -> tuple[dict, dict, str | None]:
     """Scorer and allocation keyword arguments for ``polykv`` on ``model``, and the gate kind its
     patterns need (None: no gates)."""
-    from vlm_kv.policies import policy_spec
-    from vlm_kv.strategy import resolve_strategy
 
     if strategy is None:
         strategy = default_strategy_for(model)
@@ -389,7 +381,7 @@ def strategy_kwargs(model, strategy: "Strategy | str | None", scorer_kwargs: dic
     if scorer_kwargs or allocation_kwargs:
         raise ValueError("policy 'polykv' takes its patterns and shares from the strategy, not scorer_kwargs/allocation_kwargs")
     resolved = resolve_strategy(strategy, model)
-    kinds = {policy_spec(p).gate_kind for p in resolved.patterns()} - {None}
+    kinds = {layer_policy_spec(p).gate_kind for p in resolved.patterns()} - {None}
     if len(kinds) > 1:
         raise ValueError(f"the strategy mixes patterns needing different gates ({sorted(kinds)}); one gate kind per cache")
     return {"strategy": resolved}, {"strategy": resolved}, (kinds.pop() if kinds else None)

@@ -5,13 +5,8 @@ from typing import ClassVar
 
 import torch
 
+from vlm_kv.gates.retention_gate import retention_scores
 from vlm_kv.policies.base import ScoreContext, Scorer
-
-
-def retention_scores(log_beta: torch.Tensor, positions: torch.Tensor, now: int) -> torch.Tensor:
-    """Eviction score ``(t - i) * log beta``: higher = keep. Same shapes in, same shape out."""
-    age = (now - positions).clamp(min=0).to(log_beta.dtype)
-    return age * log_beta
 
 
 @dataclass

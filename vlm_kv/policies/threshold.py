@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from vlm_kv.allocation import Allocation
+from vlm_kv.storage.allocation import Allocation
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The sweep's rows record the device bytes (``kv_bytes()["total"]``) and KL; the spill tier's host
 copies are outside that total, so this runs the same cells (same tokens, same full-cache
-reference, same ``vlm_kv.fidelity.measure``) keeping a handle on the cache, and writes per cell
+reference, same ``vlm_kv.eval.fidelity.measure``) keeping a handle on the cache, and writes per cell
 the spill bytes after every routing event (max and at the end), the promotions and how many of
 them were served losslessly, next to KL (which must equal the sweep's).
 
@@ -21,8 +21,8 @@ import json
 import torch
 
 import vlm_kv
-from vlm_kv.fidelity import measure, run_reference, text_tokens
-from vlm_kv.smollm2 import load_model
+from vlm_kv.eval.fidelity import measure, run_reference, text_tokens
+from vlm_kv.models.smollm2 import load_model
 
 TEXT = "/work/shared/data/text/pg84.txt"
 

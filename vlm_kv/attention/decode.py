@@ -1,0 +1,145 @@
+"""Decode: one new query per sequence over a store, read where its entries lie (PyTorch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vlm_kv.attention.reference import attention_received, varlen_attention
+from vlm_kv.storage.store import own_head_bias
+
+
+#: decode over at most this many entries per head (uniform stores) runs as one SDPA call on a copy.
+#: Measured per call (one thread, 3 KV heads, 9 query heads, D 64): 69 vs 212 us at 59 entries,
+#: 155 vs 207 us at 508, level at 827 (noise +-20 %); ragged stores: ~105 vs ~140 us at 177 entries,
+#: ~110 vs ~170 us at 474 (scripts/decode_microbench.py).
+SMALL_DECODE_ENTRIES = 512
+
+
+def decode_attention(
+    query: torch.Tensor, store: Any, scaling: float | None, want_received: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor] | None]:
+    """One new query per sequence over a store, read where the entries lie (no padded copy, except
+    for a uniform store of at most ``SMALL_DECODE_ENTRIES`` entries per head: one SDPA call).
+
+    query: [B, Hq, 1, D]. Returns the output [B, 1, Hq, D] and, with ``want_received``, the
+    attention each entry received averaged over its query-head group, split as the store lays
+    entries out: (body [N], tail [B, H, T]).
+
+    Body and tail share one softmax. A body whose heads all hold the same length is a dense
+    [B, H, L, D] view; a ragged body (adaptive or global allocations) is read per sequence as
+    one flat block, each query head masked to its own KV head's run.
+    """
+    b, hq, _, d = query.shape
+    h = store.num_kv_heads
+    g = hq // h
+    if query.dtype != torch.float32:
+        return _decode_attention_low_precision(query, store, scaling, want_received)
+    scale = scaling if scaling is not None else d ** -0.5
+    if store.uniform and not want_received and store.tail_all_valid and store.max_length + store.tail_size <= SMALL_DECODE_ENTRIES:
+        # Few entries: one SDPA call over body and tail laid side by side costs less than the
+        # dozen small ops of the split softmax below; the copy is of at most
+        # SMALL_DECODE_ENTRIES entries per head.
+        keys, values = store.tail_keys, store.tail_values
+        if store.body_size:
+            body_k, body_v = store.body_dense()
+            keys, values = torch.cat([body_k, keys], dim=2), torch.cat([body_v, values], dim=2)
+        out = F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=g > 1)
+        return out.transpose(1, 2), None
+    if (not store.uniform and not want_received and store.tail_all_valid
+            and store.body_size + h * store.tail_size <= SMALL_DECODE_ENTRIES):
+        return _decode_ragged_small(query, store, scale), None
+    q = query.reshape(b, h, g, d)
+    tail_k, tail_v = store.tail_keys, store.tail_values
+    tail_logits = torch.matmul(q, tail_k.transpose(-1, -2)).float() * scale  # [B, H, g, T]
+    if not store.tail_all_valid:
+        tail_logits = tail_logits.masked_fill(~store.tail_valid[:, None, None, :], float("-inf"))
+    T = tail_logits.shape[-1]
+    if store.body_size == 0 or store.uniform:
+        if store.body_size:
+            body_k, body_v = store.body_dense()
+            logits = torch.cat([torch.matmul(q, body_k.transpose(-1, -2)).float() * scale, tail_logits], dim=-1)
+        else:
+            body_v, logits = None, tail_logits
+        probs = torch.softmax(logits, dim=-1)
+        L = logits.shape[-1] - T
+        p_tail = probs[..., L:].to(query.dtype)
+        out = torch.matmul(p_tail, tail_v)
+        if L:
+            out = out + torch.matmul(probs[..., :L].to(query.dtype), body_v)
+        out = out.reshape(b, hq, 1, d).transpose(1, 2)
+        if not want_received:
+            return out, None
+        received_body = probs[..., :L].mean(dim=2).reshape(-1) if L else None
+        return out, (received_body, probs[..., L:].mean(dim=2))
+    outs, body_parts, tail_parts = [], [], []
+    for i in range(b):
+        start, count = store.batch_span(i)
+        keys = store.body_keys[start : start + count]
+        values = store.body_values[start : start + count]
+        qi = q[i].reshape(h * g, d)
+        # [H*g, n]: scaled logits, -inf where an entry belongs to another KV head than the query's
+        body_logits = torch.addmm(store.head_bias(i, g), qi, keys.transpose(0, 1), alpha=scale)
+        # the tail is dense per head: its logits sit on the block diagonal of the query heads
+        logits = torch.cat([body_logits, tail_logits[i].reshape(h * g, T)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        p_body = probs[:, :count].to(query.dtype)
+        p_tail = probs[:, count:].reshape(h, g, T).to(query.dtype)
+        out = torch.matmul(p_body, values) + torch.matmul(p_tail, tail_v[i]).reshape(h * g, d)
+        outs.append(out)
+        if want_received:
+            body_parts.append(probs[:, :count].reshape(h, g, count).mean(dim=1).sum(dim=0))
+            tail_parts.append(probs[:, count:].reshape(h, g, T).mean(dim=1))
+    out = torch.stack(outs).view(b, 1, hq, d)
+    if not want_received:
+        return out, None
+    return out, (torch.cat(body_parts), torch.stack(tail_parts))
+
+
+def _tail_head_bias(h: int, g: int, t: int, device: torch.device) -> torch.Tensor:
+    """[H * g, H * t] float32: 0 where a query head meets a tail entry of its own KV head (the tail
+    flattened head-major), -inf elsewhere."""
+    key = (h, g, t, device)
+    if key not in _TAIL_BIAS:
+        if len(_TAIL_BIAS) > 256:
+            _TAIL_BIAS.clear()
+        _TAIL_BIAS[key] = own_head_bias(torch.arange(h * t, device=device) // t, h, g)
+    return _TAIL_BIAS[key]
+
+
+_TAIL_BIAS: dict[tuple, torch.Tensor] = {}
+
+
+def _decode_ragged_small(query: torch.Tensor, store: Any, scale: float) -> torch.Tensor:
+    """Decode over a small ragged store (fp32): per sequence, the flat body and the head-major tail
+    form one key list that every query head attends through an additive mask of its own KV head's
+    entries (one masked softmax instead of the split softmax's dozen small ops). [B, 1, Hq, D]."""
+    b, hq, _, d = query.shape
+    h, t = store.num_kv_heads, store.tail_size
+    g = hq // h
+    tail_bias = _tail_head_bias(h, g, t, query.device)
+    outs = []
+    for i in range(b):
+        start, count = store.batch_span(i)
+        keys = torch.cat([store.body_keys[start : start + count], store.tail_keys[i].reshape(h * t, d)])
+        values = torch.cat([store.body_values[start : start + count], store.tail_values[i].reshape(h * t, d)])
+        bias = torch.cat([store.head_bias(i, g), tail_bias], dim=1)
+        # addmm + softmax + mm rather than SDPA with a float mask: at these sizes SDPA's set-up is
+        # most of its cost (the whole call: 47 vs 63 us at 177 entries, 70 vs 74 at 320, one thread)
+        logits = torch.addmm(bias, query[i].reshape(hq, d), keys.transpose(0, 1), alpha=scale)
+        outs.append(torch.matmul(torch.softmax(logits, dim=-1), values))
+    return (outs[0] if b == 1 else torch.stack(outs)).view(b, 1, hq, d)
+
+def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: float | None, want_received: bool):
+    """bf16 / fp16: CPU matmuls round their logits to the input dtype, which moves greedy tokens
+    away from what SDPA (fp32 accumulation and softmax) computes for a DynamicCache; so these
+    dtypes attend with SDPA over the body and tail laid side by side."""
+    view = store.padded_view(with_values=True, with_modality=False)
+    positions = store.tail_positions[-1:].long()
+    out = varlen_attention(query, view, positions, scaling, store.body_size == 0 and store.tail_all_valid)
+    if not want_received:
+        return out, None
+    return out, store.split_padded(attention_received(query, view, positions, scaling))
+

@@ -1,0 +1,1 @@
+"""The data structures every runtime part shares: the varlen store, the token ledger, budget allocations."""
