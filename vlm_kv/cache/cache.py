@@ -67,10 +67,8 @@ class CompressedLayer(CacheLayerMixin):
         self.store = VarlenKVStore(b, h, d, key_states.dtype, key_states.device, self.cache.scorer.state_names,
                                    tail_reserve=self.cache.evictor.evict_every)
         if self.cache.tiers is not None:
-            self.tier = Int2Tier(b, h, d, self.cache.tiers.window, key_states.dtype, key_states.device,
-                                 self.cache.scorer.state_names, rope=self.cache.key_rotation,
-                                 spill=self.cache.tiers.spill, key_grid=self.cache.tiers.key_grid,
-                                 basis=self.cache.tiers.basis)
+            self.tier = Int2Tier.for_keys(key_states, self.cache.tiers, self.cache.scorer.state_names,
+                                          rope=self.cache.key_rotation)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):

@@ -31,6 +31,7 @@ from vlm_kv.kernels.int2 import (
     KEY_GRIDS, decode_key_grid, dequantize_keys, dequantize_values, int2_basis, int2_window_bytes, quantize_keys,
     quantize_keys_compact, quantize_values,
 )
+from vlm_kv.config import TierConfig
 from vlm_kv.storage.store import PaddedView, tensor_bytes
 
 
@@ -237,6 +238,14 @@ class Int2Tier:
         # host copies of the original FP windows, aligned with the ledger (spill tier), or None
         self.pin_spill = SpillCopies.pin_for(device)
         self.spill = SpillCopies.empty(window, head_dim, dtype) if spill else None
+
+    @classmethod
+    def for_keys(cls, key_states: torch.Tensor, config: TierConfig, state_names: tuple[str, ...] = (),
+                 rope=None) -> "Int2Tier":
+        """An empty tier for one layer whose first keys are ``key_states`` [B, H, L, D]."""
+        b, h, _, d = key_states.shape
+        return cls(b, h, d, config.window, key_states.dtype, key_states.device, state_names, rope=rope,
+                   spill=config.spill, key_grid=config.key_grid, basis=config.basis)
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
