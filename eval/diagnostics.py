@@ -21,6 +21,7 @@ Definitions and measured numbers: docs/diagnostics.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from transformers import DynamicCache
 from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache.cache import CompressedCache
 from vlm_kv.cache.hooks import language_attn_implementation
+from vlm_kv.config import TierConfig
 from vlm_kv.eval.fidelity import text_tokens
 from vlm_kv.models.adapters import get_adapter
 
@@ -348,21 +350,37 @@ def reference_attention(model, ids: torch.Tensor, context: int, progress: bool =
     return out
 
 
-def build_cache(model, policy: str, budget: float, window: int, tiers: str | None = None,
-                int2_share: float | None = None, **cache_kwargs):
-    """``make_cache`` for a diagnosed run; with ``tiers`` the cache routes by the same ``window``
-    the diagnostics count in (passed as window=). Refuses a policy that gives no compressed cache."""
+def build_cache(model, policy: str, budget: float, window: int, **cache_kwargs):
+    """``make_cache`` for a diagnosed run; a tiered cache routes by the same ``window`` the
+    diagnostics count in (set in its ``tiers=``). Refuses a policy that gives no compressed cache."""
 
-    if int2_share is not None and tiers is None:
-        raise ValueError("int2_share needs tiers")
-    if tiers is not None:
-        cache_kwargs.update(tiers=tiers, window=window)
-        if int2_share is not None:
-            cache_kwargs["int2_share"] = int2_share
+    tiers = cache_kwargs.get("tiers")
+    if isinstance(tiers, TierConfig):
+        cache_kwargs["tiers"] = dataclasses.replace(tiers, window=window)
+    elif tiers is not None and tiers != "none":
+        cache_kwargs["tiers"] = {**({} if tiers == "int2" else dict(tiers)), "window": window}
     cache = make_cache(model, policy=policy, budget=budget, **cache_kwargs)
     if not isinstance(cache, CompressedCache):
         raise ValueError(f"policy {policy!r} gives a {type(cache).__name__}, not a compressed cache: nothing to diagnose")
     return cache
+
+
+def cache_params(cache_kwargs: dict) -> dict:
+    """The cache settings of a diagnosed run as plain JSON fields: ``tiers`` ("int2" or None), the
+    tier fields changed, and the CacheOptions fields changed."""
+    tiers = cache_kwargs.get("tiers")
+    out: dict = {"tiers": None if tiers in (None, "none") else "int2"}
+    if isinstance(tiers, TierConfig):
+        out.update(dataclasses.asdict(tiers))
+    elif isinstance(tiers, dict):
+        out.update(tiers)
+    options = cache_kwargs.get("options")
+    if options is not None:
+        out.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                    if getattr(options, f.name) != f.default})
+    out.update({k: v for k, v in cache_kwargs.items()
+                if k not in ("tiers", "options") and isinstance(v, (int, float, str, bool))})
+    return out
 
 
 def listen_for_events(cache, context: int, num_positions: int, window: int) -> list[RoutingEvent]:
@@ -391,10 +409,10 @@ def listen_for_events(cache, context: int, num_positions: int, window: int) -> l
 @torch.no_grad()
 def record_events(
     model, ids: torch.Tensor, context: int, policy: str, budget: float, window: int,
-    progress: bool = False, tiers: str | None = None, int2_share: float | None = None, **cache_kwargs,
+    progress: bool = False, **cache_kwargs,
 ) -> list[RoutingEvent]:
     """Feed ``ids`` through a compressed cache and record the window sets at every eviction step."""
-    cache = build_cache(model, policy, budget, window, tiers, int2_share, **cache_kwargs)
+    cache = build_cache(model, policy, budget, window, **cache_kwargs)
     events = listen_for_events(cache, context, ids.shape[1], window)
     feed(model, cache, ids, context, progress, f"{policy} @ {budget}")
     return events
@@ -423,15 +441,13 @@ def diagnose(
     horizon: int = 32,
     window: int = 8,
     lir_m: int = DEFAULT_LIR_M,
-    tiers: str | None = None,
-    int2_share: float | None = None,
     progress: bool = False,
     **cache_kwargs,
 ) -> DiagnosticsResult:
     """FMM, churn and LIR of ``policy`` at ``budget`` on a text, against the full cache.
 
-    tiers / int2_share: a tiered cache (``make_cache(tiers=..., int2_share=..., window=window)``),
-    routed by the same windows the diagnostics group positions into; untiered when None.
+    ``cache_kwargs`` go to ``make_cache`` (``tiers=``, ``options=``, ``gates=``); a tiered cache is
+    routed by the same windows the diagnostics group positions into (its window is ``window``).
     """
 
     check_params(context=context, continuation=continuation, horizon=horizon, window=window, lir_m=lir_m)
@@ -439,14 +455,13 @@ def diagnose(
     device = next(model.parameters()).device
     ids = ids.to(device)
     # build the compressed cache first: a setting make_cache refuses fails before the long reference pass
-    cache = build_cache(model, policy, budget, window, tiers, int2_share, **cache_kwargs)
+    cache = build_cache(model, policy, budget, window, **cache_kwargs)
     events = listen_for_events(cache, context, ids.shape[1], window)
     attention = reference_attention(model, ids, context, progress)  # restores the vlm_kv attention after
     feed(model, cache, ids, context, progress, f"{policy} @ {budget}")
     params = dict(policy=policy, budget=budget, text=str(text_path), offset=offset, context=context,
-                  continuation=continuation, horizon=horizon, window=window, lir_m=lir_m, tiers=tiers,
-                  int2_share=int2_share,
-                  **{k: v for k, v in cache_kwargs.items() if isinstance(v, (int, float, str, bool))})
+                  continuation=continuation, horizon=horizon, window=window, lir_m=lir_m,
+                  **{k: v for k, v in cache_params(cache_kwargs).items() if k != "window"})
     return summarize(events, attention, window, horizon, lir_m, params)
 
 

@@ -8,8 +8,9 @@
 
 A cell is ``LABEL:POLICY:BUDGET[:key=value,...]``; keys: ``gates`` (folder), ``num_sinks`` and
 ``recent_ratio`` (scorer), ``log_alpha`` (threshold allocation), ``min_per_head`` (global
-allocation), ``tiers``, ``int2_share``, ``int2_value``, ``window``, ``fp_unit``, ``key_grid``, ``key_rope`` and ``basis`` (recoverable INT2 tiers, as
-``make_cache`` takes them). ``--dtype bfloat16`` runs the model and every cache in bf16 (budgets
+allocation), ``tiers`` and every ``TierConfig`` field with a command-line flag (``int2_share``,
+``window``, ``key_rope``, ``spill``, ``int2_value``, ``fp_unit``, ``key_grid``, ``basis``: recoverable INT2
+tiers, merged over the policy's own tier settings as ``make_cache(tiers={...})`` does). ``--dtype bfloat16`` runs the model and every cache in bf16 (budgets
 are fractions of the full cache in that dtype). Each finished cell is appended to ``--out``
 as one JSON line (with kl, top1, nll, full_nll, bytes) and skipped when the file already
 has it, so an interrupted grid resumes; ``--csv`` writes the table of every line.
@@ -22,14 +23,46 @@ import csv
 import json
 import os
 import time
+import typing
 
 import torch
 
+from vlm_kv.api import tiers_with_fields
+from vlm_kv.arguments.tier_flags import tier_flag_fields
+from vlm_kv.config import CacheOptions, TierConfig
 from vlm_kv.eval.fidelity import measure, run_reference, text_tokens
 from vlm_kv.models.smollm2 import load_model
 
-_CACHE_OPTIONS = {"tiers": str, "int2_share": float, "int2_value": float, "window": int, "fp_unit": str,
-                  "key_grid": str, "key_rope": str, "basis": str}
+# a cell's tier options: ``tiers`` and every TierConfig field with a flag, typed as the field is
+_TIER_HINTS = typing.get_type_hints(TierConfig)
+
+
+def _truth(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1")
+
+
+def _cell_type(kind):
+    """How a cell option's text becomes the TierConfig field's type."""
+    return {int: int, bool: _truth, float: float, float | None: float}.get(kind, str)
+
+
+_CACHE_OPTIONS = {"tiers": str, **{f.name: _cell_type(_TIER_HINTS[f.name]) for f in tier_flag_fields()}}
+
+
+def cell_cache_kwargs(cell: dict) -> dict:
+    """``make_cache`` keywords of a cell: ``gates=``, ``options=`` (scorer / allocation fields) and
+    ``tiers=`` ("int2" or a dict of the TierConfig fields the cell sets)."""
+    kwargs: dict = {"options": CacheOptions(scorer_kwargs=cell["scorer_kwargs"] or None,
+                                            allocation_kwargs=cell["allocation_kwargs"] or None)}
+    if cell["gates"]:
+        kwargs["gates"] = cell["gates"]
+    flat = dict(cell.get("cache_kwargs") or {})
+    tiers = tiers_with_fields(cell["policy"], flat.pop("tiers", None), flat)
+    if tiers is not None:
+        kwargs["tiers"] = tiers
+    return kwargs
 
 
 def parse_cell(text: str) -> dict:
@@ -99,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             reference = run_reference(model, ids, args.context)
         for cell in todo:
             t0 = time.perf_counter()
-            kwargs = {"scorer_kwargs": cell["scorer_kwargs"] or None, "allocation_kwargs": cell["allocation_kwargs"] or None}
-            if cell["gates"]:
-                kwargs["gates"] = cell["gates"]
-            kwargs.update(cell.get("cache_kwargs") or {})
+            kwargs = cell_cache_kwargs(cell)
             with torch.no_grad():
                 r = measure(model, ids, args.context, cell["policy"], cell["budget"], reference, **kwargs)
             row = dict(cell, **r.as_dict(), seconds=round(time.perf_counter() - t0, 1),

@@ -17,8 +17,11 @@ From Python::
 Model arguments: ``pretrained`` (local folder, required), ``policy`` (default ``snapkv``;
 ``full`` = no compression), ``budget`` (a fraction with a decimal point, 0.1 or 1.0, or an int >= 2,
 tokens per KV head, 256; a bare 1 is refused as ambiguous; default 0.25, and none for ``full``),
-``evict_every``, ``allocation``, ``slack``, ``seed``, ``gates``, ``strategy`` (polykv), ``tiers`` /
-``int2_share`` / ``int2_value`` / ``window`` / ``key_rope`` / ``spill`` / ``fp_unit`` / ``key_grid`` / ``basis`` (passed to ``vlm_kv.make_cache``), ``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
+``gates``, ``strategy`` (polykv), ``tiers`` (int2 / none), every scalar ``CacheOptions`` field
+(``evict_every``, ``prefill_chunk``, ``slack``, ``seed``, ``attention_backend``, ``allocation``) and
+every ``TierConfig`` field with a command-line flag (``int2_share``, ``int2_value``, ``window``,
+``key_rope``, ``spill``, ``fp_unit``, ``key_grid``, ``basis``), all passed to ``vlm_kv.make_cache``;
+``device``, ``dtype`` (auto / bfloat16 / float16 / float32),
 ``max_new_tokens`` (default when a task sets none), ``min_pixels`` / ``max_pixels`` (Qwen VL:
 images sized as qwen-vl-utils does, ``vlm_kv.models.vision_inputs``). It is a "simple" lmms-eval model: requests
 carry the prompt text and ``doc_to_visual``; images go before the text in one user turn.
@@ -30,8 +33,10 @@ with the model's own earlier answers as history (``vlm_kv.eval.mmdu_run.DialogRu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
+import typing
 import warnings
 from typing import Any, Mapping
 
@@ -39,8 +44,9 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from vlm_kv.api import cache_kwarg, check_cache_options, make_cache
-from vlm_kv.config import budget_value
+from vlm_kv.api import cache_kwarg, check_cache_options, make_cache, tiers_with_fields
+from vlm_kv.arguments.tier_flags import tier_flag_fields
+from vlm_kv.config import CacheOptions, TierConfig, budget_value
 from vlm_kv.eval.mmdu_data import IMAGE_TAG
 from vlm_kv.eval.mmdu_run import DialogRunner
 from vlm_kv.models.loading import load_vlm
@@ -61,8 +67,13 @@ __all__ = [
 MODEL_NAME = "vlm_kv"
 INSTALL_HINT = "pip install 'vlm-kv[lmms]'"
 
-_CACHE_ARGS = ("policy", "budget", "evict_every", "allocation", "slack", "seed", "gates", "strategy", "tiers",
-               "int2_share", "int2_value", "window", "key_rope", "spill", "fp_unit", "key_grid", "basis")
+# cache settings in model arguments: make_cache's own, then CacheOptions' and TierConfig's fields
+# (generated from the dataclasses, so a new option is declared once)
+_MAKE_CACHE_ARGS = ("policy", "budget", "gates", "strategy", "tiers")
+_OPTION_ARGS = tuple(f.name for f in dataclasses.fields(CacheOptions)
+                     if typing.get_type_hints(CacheOptions)[f.name] in (int, str, int | None, str | None))
+_TIER_ARGS = tuple(f.name for f in tier_flag_fields())
+_CACHE_ARGS = _MAKE_CACHE_ARGS + _OPTION_ARGS + _TIER_ARGS
 _LOAD_ARGS = ("pretrained", "device", "dtype", "max_new_tokens", "min_pixels", "max_pixels")
 # passed by lmms-eval's harness on its own; accepted and ignored (one request at a time)
 _HARNESS_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_cache")
@@ -98,19 +109,39 @@ def _flag(name: str):
     return conv
 
 
+def _converter(cls: type, name: str):
+    """A model argument's string -> the type of ``cls``'s field ``name``."""
+    kind = typing.get_type_hints(cls)[name]
+    if kind in (int, int | None):
+        return _int(name)
+    if kind is bool:
+        return _flag(name)
+    if kind in (float, float | None):
+        return float
+    return str
+
+
 _CONVERT = {
     "budget": budget_value,
-    "evict_every": _int("evict_every"),
-    "slack": _int("slack"),
-    "seed": _int("seed"),
-    "window": _int("window"),
-    "int2_share": float,
-    "int2_value": float,
-    "spill": _flag("spill"),
+    **{name: _converter(CacheOptions, name) for name in _OPTION_ARGS},
+    **{name: _converter(TierConfig, name) for name in _TIER_ARGS},
     "max_new_tokens": _int("max_new_tokens"),
     "min_pixels": _int("min_pixels"),
     "max_pixels": _int("max_pixels"),
 }
+
+
+def _make_cache_kwargs(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flat model arguments -> ``make_cache`` keywords: ``options=CacheOptions(...)`` and ``tiers=``
+    ("int2", "none", or a dict of the TierConfig fields given)."""
+    out = {k: v for k, v in flat.items() if k in _MAKE_CACHE_ARGS}
+    options = {k: v for k, v in flat.items() if k in _OPTION_ARGS}
+    if options:
+        out["options"] = CacheOptions(**options)
+    tiers = tiers_with_fields(flat["policy"], flat.get("tiers"), {k: v for k, v in flat.items() if k in _TIER_ARGS})
+    if tiers is not None:
+        out["tiers"] = tiers
+    return out
 
 
 def parse_model_args(text: str) -> dict[str, str]:
@@ -160,6 +191,7 @@ def split_model_args(args: str | Mapping[str, Any]) -> tuple[dict[str, Any], dic
     cache["policy"] = policy
     # the full cache takes no budget; the others default to DEFAULTS["budget"]
     cache.setdefault("budget", 1.0 if policy == FULL_POLICY else DEFAULTS["budget"])
+    cache = _make_cache_kwargs(cache)
     check_cache_options(**cache)  # a bad budget or option fails here, before the model loads
     return load, cache
 

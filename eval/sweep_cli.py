@@ -20,7 +20,7 @@ import torch
 
 from vlm_kv.api import check_cache_options
 from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
-from vlm_kv.config import BUDGET_HELP
+from vlm_kv.config import BUDGET_HELP, CacheOptions
 from vlm_kv.config import budget_arg as parse_budget
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
@@ -70,7 +70,7 @@ def _policies(text: str) -> list[str]:
 def _cache_kwargs(args) -> dict:
     kw = {}
     if args.evict_every is not None:
-        kw["evict_every"] = args.evict_every
+        kw["options"] = CacheOptions(evict_every=args.evict_every)
     if args.gates:
         kw["gates"] = args.gates
     kw.update(tier_kwargs(args))

@@ -8,6 +8,7 @@ Both are written atomically (temporary file, then rename) after every cell.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -36,7 +37,10 @@ def budget_key(policy: str, budget) -> str:
 
 
 def clean(value):
-    """JSON-safe copy: NaN / inf -> None, tuples -> lists, tensors' items -> numbers."""
+    """JSON-safe copy: NaN / inf -> None, tuples -> lists, tensors' items -> numbers, config
+    dataclasses (CacheOptions, TierConfig) -> dicts of their fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return clean(dataclasses.asdict(value))
     if isinstance(value, dict):
         return {str(k): clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

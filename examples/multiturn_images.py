@@ -31,7 +31,8 @@ def two_turns(model, cache, max_new_tokens: int = 5) -> torch.Tensor:
 
 def main() -> None:
     model = tiny_model("qwen2_5_vl")
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5,
+                              options=vlm_kv.CacheOptions(scorer_kwargs={"window": 4}))
     out = two_turns(model, cache)
     print("tokens:", out.shape[1], "| cache:", cache.stats()["per_modality"], "| eviction steps:", cache.eviction_steps)
 

@@ -37,7 +37,7 @@ def main() -> None:
     ref, _ = run_reference(model, ids, args.context)
     kls = {}
     for basis in args.bases.split(","):
-        cache = vlm_kv.make_cache(model, policy=args.policy, budget=args.budget, tiers="int2", basis=basis)
+        cache = vlm_kv.make_cache(model, policy=args.policy, budget=args.budget, tiers={"basis": basis})
         logps = feed_continuation(model, cache, ids, args.context, label=basis).logps
         kls[basis] = F.kl_div(logps, ref, log_target=True, reduction="none").sum(-1)
     first = next(iter(kls.values()))

@@ -23,7 +23,9 @@ def rows(folder: Path) -> list[dict]:
         state = json.loads(path.read_text())
         settings = state["settings"]
         dtype = "bfloat16" if "bfloat16" in settings["model"] else "float32"
-        kw = settings.get("cache_kwargs") or {}
+        kw = dict(settings.get("cache_kwargs") or {})
+        if isinstance(kw.get("tiers"), dict):  # tiers={fields} (current) or flat fields beside tiers="int2" (older runs)
+            kw = {**kw, **kw["tiers"], "tiers": "int2"}
         for r in state["rows"]:
             if r.get("error"):
                 continue

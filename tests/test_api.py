@@ -1,4 +1,6 @@
 """make_cache's settings: what "full" takes, what tiers mean per policy, the model-free checks."""
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -62,3 +64,36 @@ def test_streaming_llm_tiers_rank_windows_by_recency(model):
         evicted = torch.tensor(sorted(set(range(4, 96)) - set(positions[positions >= 0].tolist())))
         assert int2.numel() and evicted.numel()
         assert int(int2.max()) < int(fp.min()) and int(evicted.max()) < int(int2.min())
+
+
+# ----------------------------------------------------------------------------- legacy keywords
+
+
+def test_legacy_keywords_warn_and_build_the_same_cache():
+    model = tiny_model("llama")
+    with pytest.warns(DeprecationWarning, match=r"make_cache\(evict_every=, prefill_chunk=\) is deprecated"):
+        old = vlm_kv.make_cache(model, "snapkv", 0.5, evict_every=4, prefill_chunk=32)
+    new = vlm_kv.make_cache(model, "snapkv", 0.5, options=vlm_kv.CacheOptions(evict_every=4, prefill_chunk=32))
+    assert (old.evict_every, old.prefill_chunk) == (new.evict_every, new.prefill_chunk) == (4, 32)
+    with pytest.warns(DeprecationWarning, match="tiers="):
+        old = vlm_kv.make_cache(model, "h2o", 0.5, tiers="int2", int2_share=0.5, window=4)
+    new = vlm_kv.make_cache(model, "h2o", 0.5, tiers={"int2_share": 0.5, "window": 4})
+    assert old.tiers == new.tiers and new.tiers.window == 4 and new.tiers.int2_share == 0.5
+    with pytest.warns(DeprecationWarning):  # a policy tiered by itself takes tier keywords without tiers=
+        assert vlm_kv.make_cache(model, "qevict", 0.5, window=4).tiers.window == 4
+
+
+def test_new_spelling_does_not_warn_and_legacy_mixes_are_refused():
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        vlm_kv.make_cache(model, "snapkv", 0.5, tiers="int2", options=vlm_kv.CacheOptions(evict_every=4))
+        vlm_kv.make_cache(model, "snapkv", 0.5, tiers=vlm_kv.TierConfig(window=4))
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="inside options="):
+        vlm_kv.make_cache(model, "snapkv", 0.5, options=vlm_kv.CacheOptions(), evict_every=4)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="a TierConfig is the whole"):
+        vlm_kv.make_cache(model, "snapkv", 0.5, tiers=vlm_kv.TierConfig(), window=4)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="pass tiers='int2' too"):
+        vlm_kv.make_cache(model, "snapkv", 0.5, window=4)
+    with pytest.raises(TypeError, match="unknown cache option"):
+        vlm_kv.make_cache(model, "snapkv", 0.5, evict_evry=4)

@@ -143,6 +143,19 @@ def check_cache_options(policy: str = "snapkv", budget: Budget | float | int | N
     _plan(key, spec, budget, tiers, options)
 
 
+def tiers_with_fields(policy: str, tiers: str | None, fields: Mapping[str, Any]) -> Tiers:
+    """``tiers=`` from a tier switch (``"int2"``, ``"none"`` or None) and TierConfig fields given
+    beside it, as flat settings arrive from model arguments or grid cells: the fields as a dict
+    when the cache is tiered (by the switch, or by the policy itself: qevict, kivi2), else the
+    switch. Fields that configure a tier nobody asked for raise (``spill=False`` asks for nothing)."""
+    asked = [k for k, v in fields.items() if not (k == "spill" and v is False)]
+    key = normalize_policy_name(policy)
+    tiered = tiers not in (None, "none") or (key in POLICIES and POLICIES[key].default_tiers is not None)
+    if asked and not tiered:
+        raise ValueError(f"{', '.join(f'{k}=' for k in asked)} configure the INT2 tier: pass tiers=int2 too")
+    return dict(fields) if fields and tiered else tiers
+
+
 def _fold_legacy(options: CacheOptions | None, tiers: Tiers, legacy: dict[str, Any]) -> tuple[CacheOptions, Tiers]:
     """Fold the keywords of earlier releases into ``options`` and the tier overrides, with a
     DeprecationWarning; anything else is an unknown keyword."""

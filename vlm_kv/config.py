@@ -13,7 +13,7 @@ import argparse
 import math
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -127,6 +127,11 @@ def budget_arg(text: str) -> float | int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _tier_field(default, flag: str, help: str, choices: tuple[str, ...] | None = None):  # noqa: A002
+    """A TierConfig field that every command with ``--tiers`` exposes as ``flag`` (vlm_kv.arguments.tier_flags)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """Recoverable tiers (QEvict): full precision, INT2, evicted, routed per window.
@@ -158,22 +163,32 @@ class TierConfig:
     (keys and values rotated by a Walsh-Hadamard matrix first; same bytes, less error).
     """
 
-    int2_share: float = 0.7
-    window: int = 8
-    quantize_all: bool = False
-    key_rope: str = "post"  # quantize keys as cached ("post" RoPE) or rotated back to "pre" RoPE
-    spill: bool = False
-    int2_value: float | None = None
-    fp_unit: str = "window"
-    int2_share_by_budget: tuple[float, float, float, float] | None = None
+    int2_share: float = _tier_field(0.7, "--int2-share", "share of the routed bytes spent on INT2 when something "
+                                    "must go")
+    window: int = _tier_field(8, "--window", "tokens per INT2 window (also the decode steps between routings)")
+    quantize_all: bool = False  # KIVI's recipe: chosen by a policy (kivi2), no flag
+    key_rope: str = _tier_field("post", "--key-rope", "quantize keys as cached (post-RoPE) or rotated back to "
+                                "pre-RoPE", choices=("post", "pre"))
+    spill: bool = _tier_field(False, "--spill", "keep the original FP keys/values of quantized windows in host "
+                              "memory so promotion is lossless (host bytes, outside the budget; the 'spill' tier)")
+    int2_value: float | None = _tier_field(None, "--int2-value", "split FP / INT2 by value per byte instead of "
+                                           "--int2-share, an INT2 window counting as this fraction of its FP "
+                                           "worth (0-1]")
+    fp_unit: str = _tier_field("window", "--fp-unit", "choose FP by whole windows (QEvict) or by single entries "
+                               "(INT2 stays per window)", choices=("window", "token"))
+    int2_share_by_budget: tuple[float, float, float, float] | None = None  # a policy's schedule, no flag
     # the compact grid (ours) beats the paper's fp16 grid on four pg84 passages at 0.05 / 0.1 / 0.25 for
     # dbtrimkv and at 0.05 / 0.1 for H2O window mass (bf16; docs/tiers.md, session 8); qevict and
     # kivi2 keep the published fp16 grid
-    key_grid: str = "int8"
+    key_grid: str = _tier_field("int8", "--key-grid", "the keys' per-channel scale/zero of an INT2 window in "
+                                "fp16 (the paper's) or as 8-bit codes (int8: a window 22%% cheaper at w 8, "
+                                "head_dim 64)", choices=KEY_GRIDS)
     # the Hadamard basis (ours) beats the channel basis for dbtrimkv on eight passages (pg84, pg1342) at
     # 0.1 (mean KL -15 %) and 0.25 (-27 %), ties it at 0.05, and wins every qevict cell measured (bf16;
     # docs/tiers.md, session 9); kivi2 keeps KIVI's channel basis
-    basis: str = "hadamard"
+    basis: str = _tier_field("hadamard", "--int2-basis", "quantize INT2 windows after a Walsh-Hadamard rotation "
+                             "of keys and values (hadamard: same bytes), of the keys only (hadamard_keys) or "
+                             "per channel as stored (channel, the paper's)", choices=INT2_BASES)
 
     def __post_init__(self) -> None:
         if self.basis not in INT2_BASES:

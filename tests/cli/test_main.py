@@ -124,10 +124,10 @@ def test_bench_interleave_runs_every_cache_once_per_repeat(capsys, monkeypatch, 
     order = []
     real = bench.run_planned
 
-    def recording(model, ids, run, steps, repeats, *rest):
+    def recording(model, ids, run, plan, repeats):
         assert repeats == 1  # one fresh prefill + decode per cache and round
         order.append(run[1])
-        return real(model, ids, run, steps, repeats, *rest)
+        return real(model, ids, run, plan, repeats)
 
     monkeypatch.setattr(bench, "run_planned", recording)
     code = main(["bench", "--contexts", "64", "--policies", "snapkv,h2o", "--budgets", "0.5", "--steps", "2",

@@ -20,6 +20,7 @@ from vlm_kv.eval.diagnostics import (
     summarize,
     window_sets,
 )
+from vlm_kv.config import CacheOptions
 from vlm_kv.testing import tiny_model, tiny_tokenizer
 
 
@@ -204,7 +205,7 @@ def text_file(tmp_path):
 def _diagnose(tiny, text_file, policy, budget):
     model, tok = tiny
     return diagnose(model, tok, str(text_file), policy, budget, context=48, continuation=24, horizon=8,
-                    window=4, lir_m=2, evict_every=4)
+                    window=4, lir_m=2, options=CacheOptions(evict_every=4))
 
 
 def test_reference_attention_rows_are_distributions_over_the_past(tiny):
@@ -306,8 +307,8 @@ def test_a_setting_make_cache_refuses_fails_before_the_reference_pass(tiny, text
 def test_cli_forwards_tier_settings_to_the_cache(tiny, text_file, monkeypatch, capsys):
     seen = {}
 
-    def tiered_make_cache(model, policy="snapkv", budget=0.25, *, evict_every=16, tiers=None, int2_share=0.7, window=8):
-        seen.update(policy=policy, budget=budget, evict_every=evict_every, tiers=tiers, int2_share=int2_share, window=window)
+    def tiered_make_cache(model, policy="snapkv", budget=0.25, *, tiers=None, options=None):
+        seen.update(policy=policy, budget=budget, evict_every=options.evict_every, tiers=tiers)
         raise ValueError("stop here")
 
     # the runner builds its cache through make_cache
@@ -315,7 +316,7 @@ def test_cli_forwards_tier_settings_to_the_cache(tiny, text_file, monkeypatch, c
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: tiny)
     assert cli.main(_cli_args(text_file, "--tiers", "int2", "--int2-share", "0.5")) == 2
     assert "stop here" in capsys.readouterr().err
-    assert seen == dict(policy="snapkv", budget=0.5, evict_every=4, tiers="int2", int2_share=0.5, window=4)
+    assert seen == dict(policy="snapkv", budget=0.5, evict_every=4, tiers={"int2_share": 0.5, "window": 4})
 
 
 # ----------------------------------------------------------------------------- sweep columns
@@ -326,7 +327,7 @@ def test_fidelity_sweep_with_diagnostics_adds_fmm_and_churn_columns(tiny, text_f
 
     model, tok = tiny
     task = sw.FidelityTask(model, tok, str(text_file), 48, 40, model_name="tiny-llama",
-                           cache_kwargs={"evict_every": 4}, diagnostics=True)
+                           cache_kwargs={"options": CacheOptions(evict_every=4)}, diagnostics=True)
     result = sw.run_sweep(task, ["h2o"], [0.3, 1.0], tmp_path, progress=False, plots=False)
     assert result.errors == []
     rows = {r["budget"]: r for r in result.rows}
@@ -340,7 +341,8 @@ def test_fidelity_sweep_with_diagnostics_adds_fmm_and_churn_columns(tiny, text_f
     settings = json.loads(result.json_path.read_text())["settings"]
     assert settings["diagnostics"] == {"window": 8, "horizon": 32, "lir_m": 2}
     # the cell's FMM is the one `diagnose` measures on the same tokens with the same cache settings
-    direct = diagnose(model, tok, str(text_file), "h2o", 0.3, context=48, continuation=40, evict_every=4)
+    direct = diagnose(model, tok, str(text_file), "h2o", 0.3, context=48, continuation=40,
+                      options=CacheOptions(evict_every=4))
     assert small["fmm"] == pytest.approx(direct.summary["fmm_mean"])
     assert small["churn"] == pytest.approx(direct.summary["churn_mean"])
 
@@ -357,6 +359,6 @@ def test_sweep_diagnostics_only_for_fidelity():
 def test_runner_on_a_bfloat16_model(text_file):
     model, tok = tiny_model("llama", dtype=torch.bfloat16, num_layers=1), tiny_tokenizer("llama")
     result = diagnose(model, tok, str(text_file), "snapkv", 0.5, context=40, continuation=8, horizon=4,
-                      window=4, evict_every=4)
+                      window=4, options=CacheOptions(evict_every=4))
     assert [e["step"] for e in result.events] == [0, 4, 8]
     assert 0.0 < result.summary["fmm_mean"] < 1.0 and result.summary["fmm_events"] == 2

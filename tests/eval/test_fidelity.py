@@ -12,7 +12,7 @@ def short_runs(smollm2, shared_data):
     model, tok = smollm2
     runs = [("snapkv", 1.0), ("snapkv", 0.25), ("random", 0.25), ("streaming_llm", 0.25), ("dbtrimkv", 0.25)]
     results = fidelity(model, tok, str(shared_data / "text" / "pg84.txt"), context=384, continuation=24,
-                       runs=runs, offset=100000, scorer_kwargs=None)
+                       runs=runs, offset=100000)
     return {(r.policy, r.budget): r for r in results}
 
 

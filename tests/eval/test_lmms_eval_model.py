@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 import vlm_kv
+from vlm_kv.config import CacheOptions
 from vlm_kv.eval import lmms_eval_model as lem
 from vlm_kv.testing import tiny_model, tiny_processor
 
@@ -20,7 +21,7 @@ def test_model_args_string_splits_into_load_and_cache_kwargs():
     load, cache = lem.split_model_args("pretrained=/models/qwen,policy=snapkv,budget=0.1,evict_every=8,"
                                        "device=cpu,max_new_tokens=64")
     assert load == {"pretrained": "/models/qwen", "device": "cpu", "dtype": "auto", "max_new_tokens": 64}
-    assert cache == {"policy": "snapkv", "budget": 0.1, "evict_every": 8}
+    assert cache == {"policy": "snapkv", "budget": 0.1, "options": CacheOptions(evict_every=8)}
     assert lem.split_model_args("pretrained=/m,budget=256")[1] == {"policy": "snapkv", "budget": 256}
     assert lem.split_model_args("pretrained=/m")[1] == {"policy": "snapkv", "budget": 0.25}
 
@@ -28,12 +29,16 @@ def test_model_args_string_splits_into_load_and_cache_kwargs():
 def test_model_args_carry_every_tier_option_to_the_cache(qwen):
     _, cache = lem.split_model_args("pretrained=/m,policy=snapkv,budget=0.5,tiers=int2,int2_share=0.5,window=4,"
                                     "key_rope=post,spill=true,fp_unit=token")
-    assert cache == {"policy": "snapkv", "budget": 0.5, "tiers": "int2", "int2_share": 0.5, "window": 4,
-                     "key_rope": "post", "spill": True, "fp_unit": "token"}
+    assert cache == {"policy": "snapkv", "budget": 0.5, "tiers": {"int2_share": 0.5, "window": 4,
+                                                                  "key_rope": "post", "spill": True, "fp_unit": "token"}}
     built = vlm_kv.make_cache(qwen[0], **cache)
     assert built.tiers.window == 4 and built.tiers.spill and built.tiers.int2_share == 0.5
     assert built.tiers.fp_unit == "token"
-    assert lem.split_model_args("pretrained=/m,tiers=int2,spill=0")[1]["spill"] is False
+    assert lem.split_model_args("pretrained=/m,tiers=int2,spill=0")[1]["tiers"] == {"spill": False}
+    assert "tiers" not in lem.split_model_args("pretrained=/m,spill=0")[1]  # spill=0 alone asks for nothing
+    with pytest.raises(ValueError, match="window= configure the INT2 tier: pass tiers=int2"):
+        lem.split_model_args("pretrained=/m,window=4")
+    assert lem.split_model_args("pretrained=/m,policy=qevict,budget=0.1,window=4")[1]["tiers"] == {"window": 4}
     with pytest.raises(ValueError, match="spill must be true or false"):
         lem.split_model_args("pretrained=/m,tiers=int2,spill=maybe")
 
@@ -42,7 +47,7 @@ def test_model_args_already_typed_by_lmms_eval():
     # lmms-eval converts numbers itself and adds batch_size / device from its own flags
     load, cache = lem.split_model_args({"pretrained": "/m", "policy": "snapkv", "budget": 256, "slack": 2.0,
                                         "batch_size": 1, "device": None})
-    assert cache == {"policy": "snapkv", "budget": 256, "slack": 2} and load["device"] is None
+    assert cache == {"policy": "snapkv", "budget": 256, "options": CacheOptions(slack=2)} and load["device"] is None
 
 
 def test_model_args_full_takes_no_budget_and_a_bare_one_is_refused():

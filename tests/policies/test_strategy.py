@@ -117,7 +117,8 @@ def test_bench_passes_the_strategy_to_polykv_only(monkeypatch):
     monkeypatch.setattr(bench_mod, "DynamicCache", lambda config: made.append("full"))
     monkeypatch.setattr(bench_mod, "warm_up", lambda model: None)
     model = type("M", (), {"config": None})()
-    list(bench_mod.bench(model, None, [64], ["snapkv", "polykv"], [0.1], progress=False, strategy="s.json"))
+    plan = bench_mod.BenchPlan((64,), ("snapkv", "polykv"), (0.1,), strategy="s.json")
+    list(bench_mod.bench(model, None, plan, progress=False))
     assert made[0] == "full" and [kw.get("strategy") for kw in made[1:]] == [None, "s.json"]
 
 

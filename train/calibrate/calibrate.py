@@ -416,7 +416,7 @@ class Calibrator:
             rows = []
             for w in self.windows:
                 cache = make_cache(self.model, policy="dbtrimkv", budget=self.config.budget, gates=self._share_gates,
-                                   evict_every=self.config.evict_every, seed=self.config.seed)
+                                   options=CacheOptions(evict_every=self.config.evict_every, seed=self.config.seed))
                 feed(self.model, cache, w.ids, w.context, w.inputs)
                 rows.append([layer.store.num_entries() for layer in cache.layers])
             self.seconds += time.perf_counter() - start

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache.report import cache_bytes
-from vlm_kv.config import EMBEDDED_TEXT
+from vlm_kv.config import EMBEDDED_TEXT, CacheOptions
 
 DEFAULT_TEXT = EMBEDDED_TEXT
 
@@ -184,52 +184,74 @@ def _with_progress(runs: list[tuple[int, str, float | None]], progress: bool) ->
         yield run
 
 
-def run_planned(model, ids: torch.Tensor, run: tuple[int, str, float | None], steps: int, repeats: int,
-                prefill_chunk: int | None, strategy: str | None, cache_kwargs: dict | None) -> BenchRow:
+@dataclass(frozen=True)
+class BenchPlan:
+    """What one ``vlm-kv bench`` measures: every (policy, budget) and DynamicCache at every context.
+
+    ``repeats``: decode passes per run (median taken), or rounds of ``bench_interleaved``.
+    ``strategy``: polykv's strategy JSON (default: the one shipped for the model). ``tiers``:
+    ``make_cache``'s ``tiers=`` for every compressed cache ("int2" or a dict of TierConfig fields).
+    Plain values only, so a plan travels to ``bench_worker`` as JSON."""
+
+    contexts: tuple[int, ...]
+    policies: tuple[str, ...]
+    budgets: tuple[float, ...]
+    text_path: str | None = None
+    steps: int = 32
+    repeats: int = 3
+    prefill_chunk: int | None = None
+    strategy: str | None = None
+    tiers: str | dict | None = None
+
+    def runs(self) -> list[tuple[int, str, float | None]]:
+        return planned_runs(list(self.contexts), list(self.policies), list(self.budgets))
+
+    def make(self, model, policy: str, budget: float | None):
+        """The cache of one run (a DynamicCache for ``"full"``)."""
+        if policy == "full":
+            return DynamicCache(config=model.config)
+        strategy = self.strategy if policy == "polykv" else None
+        return make_cache(model, policy=policy, budget=budget, tiers=self.tiers, strategy=strategy,
+                          options=CacheOptions(prefill_chunk=self.prefill_chunk))
+
+
+def run_planned(model, ids: torch.Tensor, run: tuple[int, str, float | None], plan: BenchPlan,
+                repeats: int) -> BenchRow:
     context, policy, budget = run
-    if policy == "full":
-        return run_one(model, ids, context, steps, repeats, lambda: DynamicCache(config=model.config), "full", None, None)
-    extra = dict(cache_kwargs or {})
-    if strategy and policy == "polykv":
-        extra["strategy"] = strategy
-    factory = lambda: make_cache(model, policy=policy, budget=budget, prefill_chunk=prefill_chunk, **extra)  # noqa: E731
-    return run_one(model, ids, context, steps, repeats, factory, policy, budget, prefill_chunk)
+    chunk = None if policy == "full" else plan.prefill_chunk
+    return run_one(model, ids, context, plan.steps, repeats, lambda: plan.make(model, policy, budget), policy,
+                   budget, chunk)
 
 
-def bench(model, tokenizer, contexts: list[int], policies: list[str], budgets: list[float],
-          text_path: str | None = None, steps: int = 32, repeats: int = 3,
-          prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
-          cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
+def bench(model, tokenizer, plan: BenchPlan, progress: bool = True) -> Iterator[BenchRow]:
     """DynamicCache and every (policy, budget) at every context, in this process; yields one row
-    per run. ``strategy``: the strategy JSON of ``polykv`` (default: the one shipped for the
-    model); ``cache_kwargs`` go to every ``make_cache`` (e.g. ``tiers="int2"``). Peak memory of a
-    run here includes what earlier runs left in the allocator: ``bench_isolated`` avoids that."""
-    ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
+    per run. Peak memory of a run here includes what earlier runs left in the allocator:
+    ``bench_isolated`` avoids that."""
+    ids = bench_tokens(tokenizer, plan.text_path, max(plan.contexts) + 1)
     warm_up(model)
-    for run in _with_progress(planned_runs(contexts, policies, budgets), progress):
-        yield run_planned(model, ids, run, steps, repeats, prefill_chunk, strategy, cache_kwargs)
+    for run in _with_progress(plan.runs(), progress):
+        yield run_planned(model, ids, run, plan, plan.repeats)
 
 
-def bench_interleaved(model, tokenizer, contexts: list[int], policies: list[str], budgets: list[float],
-                      text_path: str | None = None, steps: int = 32, rounds: int = 5,
-                      prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
-                      cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
+def bench_interleaved(model, tokenizer, plan: BenchPlan, progress: bool = True) -> Iterator[BenchRow]:
     """Paired timing: at each context, every cache (DynamicCache included) runs once per round
-    (a fresh prefill, then ``steps`` decode steps), the order rotating between rounds; a row per
-    cache reports the medians over rounds. Drift of a shared machine (other jobs, clock changes)
-    then lands on every cache alike instead of on whichever ran during it: separate runs moved
-    by up to 38 % here, a 15 % bound needs better. Peak memory is the process's, as in ``bench``."""
-    ids = bench_tokens(tokenizer, text_path, max(contexts) + 1)
+    (``plan.repeats`` rounds of a fresh prefill, then ``steps`` decode steps), the order rotating
+    between rounds; a row per cache reports the medians over rounds. Drift of a shared machine
+    (other jobs, clock changes) then lands on every cache alike instead of on whichever ran during
+    it: separate runs moved by up to 38 % here, a 15 % bound needs better. Peak memory is the
+    process's, as in ``bench``."""
+    ids = bench_tokens(tokenizer, plan.text_path, max(plan.contexts) + 1)
     warm_up(model)
-    runs = planned_runs(contexts, policies, budgets)
+    runs = plan.runs()
+    rounds = plan.repeats
     bar = _progress_bar(len(runs) * rounds, progress)
-    for context in contexts:
+    for context in plan.contexts:
         here = [run for run in runs if run[0] == context]
         measured: dict[tuple, list[BenchRow]] = {run: [] for run in here}
         for r in range(rounds):
             for run in here[r % len(here):] + here[: r % len(here)]:
                 bar.set_postfix_str(f"round {r + 1}: {run[1]}@{run[2] if run[2] is not None else 1} ctx {context}")
-                measured[run].append(run_planned(model, ids, run, steps, 1, prefill_chunk, strategy, cache_kwargs))
+                measured[run].append(run_planned(model, ids, run, plan, 1))
                 bar.update()
         for run in here:
             yield median_row(measured[run])
@@ -253,17 +275,14 @@ def _progress_bar(total: int, progress: bool):
     return tqdm(total=total, desc="bench", disable=not progress, leave=False)
 
 
-def bench_isolated(model_name: str, dtype: str, device: str, contexts: list[int], policies: list[str],
-                   budgets: list[float], text_path: str | None = None, steps: int = 32, repeats: int = 3,
-                   prefill_chunk: int | None = None, progress: bool = True, strategy: str | None = None,
-                   cache_kwargs: dict | None = None) -> Iterator[BenchRow]:
+def bench_isolated(model_name: str, dtype: str, device: str, plan: BenchPlan,
+                   progress: bool = True) -> Iterator[BenchRow]:
     """``bench`` with every run in a fresh Python process (``python -m vlm_kv.cli.bench_worker``), as a
     user's process would run it: glibc keeps freed heap, so in one process a run's peak memory
     depends on what ran before it (measured: +-150 MiB between identical runs at 2048 tokens)."""
 
-    for run in _with_progress(planned_runs(contexts, policies, budgets), progress):
-        spec = dict(model=model_name, dtype=dtype, device=device, run=list(run), text=text_path, steps=steps,
-                    repeats=repeats, prefill_chunk=prefill_chunk, strategy=strategy, cache_kwargs=cache_kwargs or {})
+    for run in _with_progress(plan.runs(), progress):
+        spec = dict(model=model_name, dtype=dtype, device=device, run=list(run), plan=asdict(plan))
         done = subprocess.run([sys.executable, "-m", "vlm_kv.cli.bench_worker", json.dumps(spec)],
                               capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

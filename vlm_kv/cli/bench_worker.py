@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from vlm_kv.cli.bench import bench_tokens, run_planned, warm_up
+from vlm_kv.cli.bench import BenchPlan, bench_tokens, run_planned, warm_up
 from vlm_kv.models.smollm2 import load_model
 
 
@@ -20,10 +20,11 @@ def main(argv: list[str]) -> int:
     model, tokenizer = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]))
     model = model.to(spec["device"])
     context = spec["run"][0]
-    ids = bench_tokens(tokenizer, spec["text"], context + 1)
+    ids = bench_tokens(tokenizer, spec["plan"]["text_path"], context + 1)
     warm_up(model)
-    row = run_planned(model, ids, tuple(spec["run"]), spec["steps"], spec["repeats"], spec["prefill_chunk"],
-                      spec["strategy"], spec["cache_kwargs"])
+    plan = BenchPlan(**{k: tuple(v) if k in ("contexts", "policies", "budgets") else v
+                        for k, v in spec["plan"].items()})
+    row = run_planned(model, ids, tuple(spec["run"]), plan, plan.repeats)
     print(json.dumps(row.as_dict()), flush=True)
     return 0
 

@@ -13,9 +13,9 @@ from vlm_kv.api import check_cache_options
 from vlm_kv.arguments.checks import check_text_file
 from vlm_kv.arguments.subcommands import add_unavailable, run_command
 from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
-from vlm_kv.cli.bench import bench, bench_interleaved, bench_isolated, plot_rows
+from vlm_kv.cli.bench import BenchPlan, bench, bench_interleaved, bench_isolated, plot_rows
 from vlm_kv.cli.demo import run_demo
-from vlm_kv.config import BUDGET_HELP, budget_value
+from vlm_kv.config import BUDGET_HELP, CacheOptions, budget_value
 from vlm_kv.eval.diagnostics import check_params, diagnose, format_table, plot
 from vlm_kv.eval.fidelity import fidelity, text_span
 from vlm_kv.gates.io import load_config
@@ -57,28 +57,18 @@ def _check_span(args: argparse.Namespace, continuation: int) -> None:
     text_span(args.text, args.offset, args.context + continuation + 1)
 
 
-def _check_cache(policy: str, budget, **kwargs) -> None:
-    """Every cache setting make_cache would refuse, refused before the model loads."""
-
-    check_cache_options(policy, budget, **kwargs)
-
-
 def cmd_fidelity(args: argparse.Namespace) -> int:
     budget = budget_value(args.budget)
     policy = _check_policy(args.policy, args.gates)
     _check_span(args, args.continuation)
     check_model(args.model)
-    kwargs = {}
-    if args.evict_every is not None:
-        kwargs["evict_every"] = args.evict_every
+    kwargs = dict(tier_kwargs(args), options=CacheOptions(evict_every=args.evict_every,
+                                                           prefill_chunk=args.prefill_chunk))
     if args.gates:
         kwargs["gates"] = args.gates
-    if args.prefill_chunk is not None:
-        kwargs["prefill_chunk"] = args.prefill_chunk
     if args.strategy:
         kwargs["strategy"] = args.strategy
-    kwargs.update(tier_kwargs(args))
-    _check_cache(policy, budget, **kwargs)
+    check_cache_options(policy, budget, **kwargs)
     model, tok = _load(args.model, args.dtype)
     (result,) = fidelity(
         model, tok, args.text, args.context, args.continuation, [(policy, budget)],
@@ -114,28 +104,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_text_file(args.text)
     _check_device(args.device)
     check_model(args.model)
-    tiers = tier_kwargs(args)
+    plan = BenchPlan(tuple(contexts), tuple(policies), tuple(budgets), text_path=args.text, steps=args.steps,
+                     repeats=args.repeats, prefill_chunk=args.prefill_chunk, strategy=args.strategy,
+                     tiers=tier_kwargs(args).get("tiers"))
     for policy in policies:  # DynamicCache runs anyway; "full" takes no budget
-        strategy = {"strategy": args.strategy} if policy == "polykv" and args.strategy else {}
+        strategy = plan.strategy if policy == "polykv" else None
         for budget in budgets if policy != "full" else ():
-            _check_cache(policy, budget, prefill_chunk=args.prefill_chunk, **tiers, **strategy)
-    if args.interleave:
+            check_cache_options(policy, budget, tiers=plan.tiers, strategy=strategy,
+                                options=CacheOptions(prefill_chunk=plan.prefill_chunk))
+    if args.interleave or args.in_process:
         if not args.json:
             print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
         model, tok = _load(args.model, args.dtype, args.device)
-        runs = bench_interleaved(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
-                                 args.prefill_chunk, progress=not args.json, strategy=args.strategy,
-                                 cache_kwargs=tiers)
-    elif args.in_process:
-        if not args.json:
-            print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
-        model, tok = _load(args.model, args.dtype, args.device)
-        runs = bench(model, tok, contexts, policies, budgets, args.text, args.steps, args.repeats,
-                     args.prefill_chunk, progress=not args.json, strategy=args.strategy, cache_kwargs=tiers)
+        runs = (bench_interleaved if args.interleave else bench)(model, tok, plan, progress=not args.json)
     else:
-        runs = bench_isolated(args.model, args.dtype, args.device, contexts, policies, budgets, args.text, args.steps,
-                              args.repeats, args.prefill_chunk, progress=not args.json, strategy=args.strategy,
-                              cache_kwargs=tiers)
+        runs = bench_isolated(args.model, args.dtype, args.device, plan, progress=not args.json)
     rows = []
     if not args.json:
         print(f"{'cache':>22} {'context':>7} {'prefill s':>9} {'ms/token':>9} {'tok/s':>7} {'evict':>6} "
@@ -159,7 +142,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     budget = budget_value(args.budget)
     policy = _check_policy(args.policy, args.gates)
-    _check_cache(policy, budget, gates=args.gates, strategy=args.strategy)
+    check_cache_options(policy, budget, gates=args.gates, strategy=args.strategy)
     check_model("smollm2")
     return run_demo(policy=policy, budget=budget, max_new_tokens=args.max_new_tokens, gates=args.gates,
                     strategy=args.strategy)
@@ -184,13 +167,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     policy = _check_policy(args.policy, None)
     check_params(context=args.context, continuation=args.continuation, horizon=args.horizon,
                  window=args.window, lir_m=args.lir_m)
-    kwargs = {}
-    if args.evict_every is not None:
-        if args.evict_every < 1:
-            raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
-        kwargs["evict_every"] = args.evict_every
-    kwargs.update(tier_kwargs(args, window=False))  # diagnose passes its --window to the tiers too
-    _check_cache(policy, budget, **kwargs, **({"window": args.window} if kwargs.get("tiers") else {}))
+    if args.evict_every is not None and args.evict_every < 1:
+        raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
+    kwargs = dict(tier_kwargs(args, window=False), options=CacheOptions(evict_every=args.evict_every))
+    if kwargs.get("tiers"):  # diagnose's --window is the tiers' window too (diagnose puts it there)
+        given = kwargs["tiers"] if isinstance(kwargs["tiers"], dict) else {}
+        check_cache_options(policy, budget, **dict(kwargs, tiers={**given, "window": args.window}))
+    else:
+        check_cache_options(policy, budget, **kwargs)
     _check_span(args, args.continuation)
     check_model(args.model)
     model, tok = _load(args.model, args.dtype)

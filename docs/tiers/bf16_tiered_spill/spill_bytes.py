@@ -46,7 +46,7 @@ def main() -> None:
         holder = {}
 
         def factory():
-            cache = vlm_kv.make_cache(model, policy=policy, budget=budget, tiers="int2", spill=not args.without_spill)
+            cache = vlm_kv.make_cache(model, policy=policy, budget=budget, tiers={"spill": not args.without_spill})
             evict = cache.evict
 
             def watched() -> None:
