@@ -36,7 +36,7 @@ from vlm_kv.eval.mathvision_score import (
     score_responses,
 )
 from vlm_kv.eval.shard import current_shard, launch, run_mathvision_sharded
-from vlm_kv.models.loading import load_vlm
+from vlm_kv.models.named import load_vlm
 
 __all__ = ["parse_budget", "register"]
 

@@ -31,7 +31,7 @@ from vlm_kv.api import tiers_with_fields
 from vlm_kv.arguments.tier_flags import tier_flag_fields
 from vlm_kv.config import CacheOptions, TierConfig
 from vlm_kv.eval.fidelity import measure, run_reference, text_tokens
-from vlm_kv.models.smollm2 import load_model
+from vlm_kv.models.named import load_model
 
 # a cell's tier options: ``tiers`` and every TierConfig field with a flag, typed as the field is
 _TIER_HINTS = typing.get_type_hints(TierConfig)

@@ -49,7 +49,7 @@ from vlm_kv.arguments.tier_flags import tier_flag_fields
 from vlm_kv.config import CacheOptions, TierConfig, budget_value
 from vlm_kv.eval.mmdu_data import IMAGE_TAG
 from vlm_kv.eval.mmdu_run import DialogRunner
-from vlm_kv.models.loading import load_vlm
+from vlm_kv.models.named import load_vlm
 from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 from vlm_kv.policies import FULL_POLICY, POLICIES
 

@@ -34,7 +34,7 @@ from functools import partial
 
 from vlm_kv.config import BUDGET_HELP
 from vlm_kv.config import budget_arg as parse_budget
-from vlm_kv.models.loading import load_vlm  # module attribute: tests replace it
+from vlm_kv.models.named import load_vlm, model_label  # module attribute: tests replace it
 
 
 def _default_out(args) -> str:
@@ -63,7 +63,7 @@ def cmd_mmdu(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     out = args.out or _default_out(args)
-    config = {"model": os.path.abspath(args.model), "data": os.path.abspath(args.data), "images": args.images}
+    config = {"model": model_label(args.model), "data": os.path.abspath(args.data), "images": args.images}
 
     # 1. answers (the VLM), 2. free it, 3. judge (both rarely fit in memory at once)
     shard = current_shard()

@@ -27,8 +27,7 @@ from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
 from vlm_kv.eval.mmdu_data import load_mmdu
 from vlm_kv.eval.sweep import run_sweep
 from vlm_kv.eval.sweep_table import FRACTION_AT_END
-from vlm_kv.models.loading import load_vlm
-from vlm_kv.models.smollm2 import load_model
+from vlm_kv.models.named import is_vlm, load_model, load_vlm, model_label
 from vlm_kv.policies import FULL_POLICY, POLICIES
 
 __all__ = ["register", "cmd_sweep", "parse_budget", "parse_list"]
@@ -98,8 +97,9 @@ def _text_model(args):
 
 
 def _vlm_loader(args):
-    if args.model == "smollm2" or not os.path.isdir(args.model):
-        raise ValueError(f"sweep --task {args.task} needs --model pointing to a local VLM folder, got {args.model!r}")
+    if not is_vlm(args.model):
+        raise ValueError(f"sweep --task {args.task} needs a VLM: --model smollava or a local VLM folder, "
+                         f"got {args.model!r}")
 
     def load():
         return load_vlm(args.model, args.device)
@@ -140,7 +140,7 @@ def build_task(args):
                              "parquet files) or set VLM_KV_MATHVISION_DATA")
         problems = load_problems(data, split=args.split, limit=args.limit)
         return sw.MathVisionTask(_vlm_loader(args), problems, args.out, prompt_style=args.prompt,
-                                 max_new_tokens=args.max_new_tokens or 4096, model_name=os.path.abspath(args.model),
+                                 max_new_tokens=args.max_new_tokens or 4096, model_name=model_label(args.model),
                                  data=str(problems.source), cache_kwargs=kw, progress=progress)
     # mmdu
 
@@ -155,7 +155,7 @@ def build_task(args):
     judge = None if args.no_judge else args.judge
     return sw.MMDUTask(_vlm_loader(args), data, args.out, judge=judge,
                        judge_kwargs={"device": args.device, "max_new_tokens": args.judge_max_new_tokens},
-                       max_new_tokens=args.max_new_tokens or 2048, model_name=os.path.abspath(args.model),
+                       max_new_tokens=args.max_new_tokens or 2048, model_name=model_label(args.model),
                        cache_kwargs=kw, progress=progress)
 
 

@@ -8,7 +8,9 @@ from vlm_kv.api import attach, make_cache
 from vlm_kv.attention.handoff import AttentionBypassError
 from vlm_kv.config import Budget, BudgetError, CacheOptions, TierConfig
 from vlm_kv.cache.cache import CacheMisuseError, CompressedCache
+from vlm_kv.models.named import load_model, load_vlm
 from vlm_kv.policies import POLICIES
 
-__all__ = ["make_cache", "attach", "Budget", "BudgetError", "CacheOptions", "TierConfig", "CompressedCache", "CacheMisuseError", "AttentionBypassError", "POLICIES"]
+__all__ = ["make_cache", "attach", "Budget", "BudgetError", "CacheOptions", "TierConfig", "CompressedCache", "CacheMisuseError", "AttentionBypassError", "POLICIES",
+           "load_model", "load_vlm"]
 __version__ = "0.1.0"

@@ -5,7 +5,8 @@ import warnings
 
 import pytest
 
-from vlm_kv.models.loading import IMAGE_ONLY_MARKER, is_vlm_folder, load_model_and_processor, load_processor, load_vlm, resolve_dtype
+from vlm_kv.models.loading import IMAGE_ONLY_MARKER, is_vlm_folder, load_processor, load_vlm, resolve_dtype
+from vlm_kv.models.named import load_model_and_processor
 from vlm_kv.testing import save_tiny_vlm, tiny_model, tiny_processor
 
 

@@ -21,8 +21,7 @@ import argparse
 import os
 
 from vlm_kv.arguments.checks import check_text_file
-from vlm_kv.models.loading import is_vlm_folder, load_vlm
-from vlm_kv.models.smollm2 import check_model, load_model
+from vlm_kv.models.named import check_model, is_vlm, load_model, load_vlm
 from vlm_kv.train.calibrate.calibrate import CalibrationConfig, calibrate, plot_strategy
 from vlm_kv.train.calibrate.data import check_image_data
 
@@ -48,8 +47,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     ).check()
     data = _list(args.data)
     if args.images is not None:
-        if args.model == "smollm2" or not is_vlm_folder(args.model):
-            raise ValueError(f"--images needs a vision-language model folder (config.json with a vision_config); "
+        if not is_vlm(args.model):
+            raise ValueError(f"--images needs a vision-language model (smollava, or a folder whose config.json has a "
+                             f"vision_config); "
                              f"{args.model} is a text-only model")
         check_image_data(data, args.images, args.windows)
     else:

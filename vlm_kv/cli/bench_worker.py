@@ -12,7 +12,7 @@ import sys
 import torch
 
 from vlm_kv.cli.bench import BenchPlan, bench_tokens, run_planned, warm_up
-from vlm_kv.models.smollm2 import load_model
+from vlm_kv.models.named import load_model
 
 
 def main(argv: list[str]) -> int:

@@ -19,7 +19,7 @@ from vlm_kv.config import BUDGET_HELP, CacheOptions, budget_value
 from vlm_kv.eval.diagnostics import check_params, diagnose, format_table, plot
 from vlm_kv.eval.fidelity import fidelity, text_span
 from vlm_kv.gates.io import load_config
-from vlm_kv.models.smollm2 import check_model, load_model
+from vlm_kv.models.named import check_model, load_model
 from vlm_kv.policies import POLICIES, normalize_policy_name
 
 

@@ -1,11 +1,9 @@
-"""One loader for the models the tools run: eval, gate training and the lmms-eval wrapper.
+"""Loading a VLM from a local folder (``vlm_kv.models.named`` adds the models taken by name).
 
-    model, processor = load_model_and_processor("/models/Qwen2.5-VL-7B-Instruct")
-    model, tokenizer = load_model_and_processor("smollm2")
+    model, processor = load_vlm("/models/Qwen2.5-VL-7B-Instruct")
 
 A folder whose ``config.json`` has a ``vision_config`` is a VLM: ``AutoModelForImageTextToText``
-plus ``AutoProcessor``. Anything else (``smollm2``, a text model folder, a GGUF) goes through
-``vlm_kv.models.smollm2.load_model``. Device: cuda when available unless given; dtype ``auto`` keeps
+plus ``AutoProcessor``. Device: cuda when available unless given; dtype ``auto`` keeps
 the checkpoint's dtype on GPU and uses float32 on CPU (half precision is slow and lossy there).
 The model is returned in eval mode on its device.
 """
@@ -26,8 +24,6 @@ from transformers import (
     AutoTokenizer,
 )
 
-from vlm_kv.models.smollm2 import load_model
-
 __all__ = [
     "is_vlm_folder",
     "resolve_device",
@@ -35,7 +31,6 @@ __all__ = [
     "load_processor",
     "without_video_processor",
     "load_vlm",
-    "load_model_and_processor",
 ]
 
 _NO_VIDEO_CLASSES: dict = {}
@@ -134,17 +129,3 @@ def load_vlm(path: str | os.PathLike, device: str | None = None, dtype: str | to
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     model.to(device).eval()
     return model, processor
-
-
-def load_model_and_processor(name: str | os.PathLike, device: str | None = None,
-                             dtype: str | torch.dtype | None = "auto"):
-    """A VLM folder via :func:`load_vlm`; ``smollm2`` or a text model via ``vlm_kv.models.smollm2.load_model``
-    (that one stays on CPU in float32 unless ``device`` is given)."""
-    name = str(name)
-    if name != "smollm2" and is_vlm_folder(name):
-        return load_vlm(name, device, dtype)
-
-    model, tokenizer = load_model(name)
-    if device is not None:
-        model.to(device)
-    return model.eval(), tokenizer

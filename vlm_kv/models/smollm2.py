@@ -28,17 +28,6 @@ def smollm2_dir() -> str:
     return folder
 
 
-def check_model(model: str) -> None:
-    """'smollm2' installed, or a folder that holds a model: checked before anything loads."""
-    if model == "smollm2":
-        smollm2_dir()
-        return
-    if not os.path.isdir(model):
-        raise ModelFileMissing(f"model folder not found: {model} (use 'smollm2' or a local model folder)")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ModelFileMissing(f"no model in {model}: it has no config.json (use 'smollm2' or a saved transformers model)")
-
-
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """(model, tokenizer): the real SmolLM2-135M-Instruct, de-quantized, in eval mode on CPU."""
 

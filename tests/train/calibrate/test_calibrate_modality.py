@@ -183,7 +183,7 @@ def test_cli_image_data(setup, tmp_path, capsys):
     base = ["calibrate", "--budget", "0.3", "--out", str(tmp_path / "s.json")]
     # refused before any model loads
     assert main(base + ["--model", "smollm2", "--data", data, "--images", str(folder)]) == 2
-    assert "--images needs a vision-language model folder" in capsys.readouterr().err
+    assert "--images needs a vision-language model" in capsys.readouterr().err
     assert main(base + ["--data", str(tmp_path / "x.txt"), "--max-pixels", "4096"]) == 2
     assert "--max-pixels apply to image data" in capsys.readouterr().err
     assert main(base + ["--data", data]) == 2

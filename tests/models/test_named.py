@@ -1,0 +1,52 @@
+"""Models taken by name: smollm2 and smollava, beside local folders."""
+
+from pathlib import Path
+
+import pytest
+from transformers import LlavaForConditionalGeneration
+
+import vlm_kv
+from vlm_kv.models import smollava as S
+from vlm_kv.models import named
+from vlm_kv.models.smollm2 import ModelFileMissing
+
+STAGE1 = Path(__file__).resolve().parents[2] / "train" / "checkpoints" / "smollava-stage1"
+
+
+@pytest.fixture
+def shipped(monkeypatch):
+    """smollava with the committed stage-1 tower standing in for the shipped weights."""
+    monkeypatch.setattr(S, "PRETRAINED_DIR", STAGE1)
+
+
+def test_smollava_without_shipped_weights_fails_closed(monkeypatch, tmp_path):
+    monkeypatch.setattr(S, "PRETRAINED_DIR", tmp_path)
+    with pytest.raises(ModelFileMissing, match="ships no smollava vision weights"):
+        named.check_model("smollava")
+    with pytest.raises(FileNotFoundError, match="train-vlm"):
+        named.load_vlm("smollava")
+
+
+def test_unknown_names_and_folders_name_the_choices(tmp_path):
+    with pytest.raises(ModelFileMissing, match="'smollm2' or 'smollava'"):
+        named.check_model("smolava")
+    with pytest.raises(ModelFileMissing, match="no config.json"):
+        named.check_model(str(tmp_path))
+    assert named.model_label("smollava") == "smollava"
+    assert named.model_label(str(tmp_path)) == str(tmp_path.resolve())
+
+
+def test_smollava_loads_by_name_as_a_vlm_and_as_a_text_model(shipped):
+    named.check_model("smollava")
+    assert named.is_vlm("smollava") and not named.is_vlm("smollm2")
+    model, processor = named.load_vlm("smollava", device="cpu")
+    assert isinstance(model, LlavaForConditionalGeneration) and not model.training
+    assert processor.tokenizer is not None and hasattr(processor, "image_processor")
+    text_model, tokenizer = vlm_kv.load_model("smollava")
+    assert isinstance(text_model, LlavaForConditionalGeneration)
+    assert tokenizer("a cat")["input_ids"] == processor.tokenizer("a cat")["input_ids"]
+    # both carry the same trained tower
+    a, b = S.trained_state(model), S.trained_state(text_model)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    cache = vlm_kv.make_cache(text_model, "snapkv", 0.5)
+    assert isinstance(cache, vlm_kv.CompressedCache)
