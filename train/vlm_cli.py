@@ -10,12 +10,15 @@ import argparse
 import json
 
 from vlm_kv.arguments.dataclass_flags import add_dataclass_args, dataclass_from_args
-from vlm_kv.train.vlm_train import VLMTrainConfig, train_vlm
+from vlm_kv.train.vlm_train import VLMTrainConfig, export_checkpoint, train_vlm
 
 
 def cmd_train_vlm(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(VLMTrainConfig, args)
     cfg.validate()  # every setting checked before SmolLM2 loads
+    if cfg.export:
+        print(export_checkpoint(cfg.out, cfg.export))
+        return 0
     print(json.dumps(train_vlm(cfg)))
     return 0
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from vlm_kv.arguments.dataclass_flags import setting
@@ -51,6 +52,7 @@ from vlm_kv.eval.visual_tasks import (
     make_item,
 )
 from vlm_kv.models.smollava import (
+    WEIGHTS_FILE,
     build_smollava,
     load_trained_parts,
     pixel_values,
@@ -87,7 +89,9 @@ class VLMTrainConfig:
     eval_seed: int = setting(1, "held-out data seed of those evaluations (training uses seed 0)")
     threads: int = setting(0, "torch threads (0: torch's default)")
     stop_at: int = setting(0, "stop after this many steps in all, checkpointed (0: run to the end)")
-    stage1_weights: str = setting("", "start at the QA stage from these trained parts (a stage1/ folder)")
+    stage1_weights: str = setting("", "start at the QA stage from these trained parts: a stage1/ folder, or a folder "
+                                  "written by --export, whose card names the step to continue from (fresh optimizer)")
+    export: str = setting("", "write the checkpoint's trained parts and a model card to this folder, then stop")
     progress: bool = setting(True, "show a progress bar")
 
     def validate(self) -> None:
@@ -273,10 +277,11 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         done = state["done"]
         _truncate_metrics(out / METRICS, done)
     elif cfg.stage1_weights:
-        # the QA stage starts with a fresh optimizer and its data is a function of the step, so
-        # the weights at the end of the patch stage are all a run needs to continue from there
+        # the QA stage's data is a function of the step, so trained parts and the step they were
+        # saved at are all a run needs to continue (with a fresh optimizer: Adam's moments do not
+        # travel, which costs a few steps of warm-up, see docs/smollava.md)
         load_trained_parts(model, cfg.stage1_weights)
-        done = cfg.patch_steps
+        done = max(cfg.patch_steps, int(_card(cfg.stage1_weights).get("done", 0)))
         _truncate_metrics(out / METRICS, done)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
     end = cfg.total_steps if not cfg.stop_at else min(cfg.total_steps, cfg.stop_at)
@@ -346,6 +351,38 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
                 "train_data_seed": TRAIN_SEED, "config": dataclasses.asdict(cfg), "last_eval": last_eval}
         save_trained_parts(model, out / "final", card)
     return last_eval
+
+
+def _card(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / "card.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def export_checkpoint(run: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """The trained parts of ``run``'s latest checkpoint as ``dest/vision.safetensors`` plus a
+    model card (steps done, data seeds, wall time, the held-out evaluations so far), so a run can
+    ship its weights or continue in another session (``--stage1-weights dest``)."""
+    run = Path(run)
+    ckpt = run / CHECKPOINT
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"{ckpt}: no checkpoint to export (run `vlm-kv train-vlm --out {run}` first)")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    done = int(state["done"])
+    metrics = []
+    if (run / METRICS).is_file():
+        metrics = [json.loads(line) for line in (run / METRICS).read_text(encoding="utf-8").splitlines() if line.strip()]
+    metrics = [m for m in metrics if m.get("step", 0) <= done]
+    evals = [{"step": m["step"], **m["eval"]} for m in metrics if "eval" in m]
+    seconds = sum(m.get("seconds", 0.0) for m in metrics if "seconds" in m)
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in state["trainable"].items()}
+    save_file(tensors, str(dest / WEIGHTS_FILE), metadata={"model": "smollava"})
+    card = {"model": "smollava", "done": done, "stage": state["stage"], "train_data_seed": TRAIN_SEED,
+            "held_out_eval_seed": state["config"]["eval_seed"],
+            "steps_logged_seconds": round(seconds, 1), "evaluations": evals, "config": state["config"]}
+    (dest / "card.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
+    return dest / WEIGHTS_FILE
 
 
 def _truncate_metrics(path: Path, done: int) -> None:

@@ -114,3 +114,23 @@ def test_stage1_weights_continue_exactly_where_the_run_would(tokenizer, tmp_path
         torch.testing.assert_close(a, b, msg=name)
     steps = [json.loads(x).get("stage") for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert "patch" not in steps
+
+
+def test_export_ships_the_checkpoint_and_a_later_run_continues_from_it(tokenizer, tmp_path):
+    model_a, proc_a = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "a", qa_steps=3, stop_at=3), model_a, proc_a)
+    V.export_checkpoint(tmp_path / "a", tmp_path / "shipped")
+    card = json.loads((tmp_path / "shipped" / "card.json").read_text())
+    assert card["done"] == 3 and card["stage"] == "qa" and card["train_data_seed"] == 0
+    loaded, _ = _tiny(tokenizer, seed=1)
+    S.load_trained_parts(loaded, tmp_path / "shipped")
+    for (name, a), b in zip(S.trained_state(model_a).items(), S.trained_state(loaded).values()):
+        torch.testing.assert_close(a, b, msg=name)
+    # another session: the exported parts and their step; only the QA steps after it run
+    model_b, proc_b = _tiny(tokenizer, seed=2)
+    V.train_vlm(_cfg(tmp_path / "b", qa_steps=3, stage1_weights=str(tmp_path / "shipped")), model_b, proc_b)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+             if "eval" not in json.loads(x)]
+    assert steps == [4, 5]
+    with pytest.raises(FileNotFoundError, match="no checkpoint to export"):
+        V.export_checkpoint(tmp_path / "nothing", tmp_path / "x")
