@@ -6,6 +6,12 @@ index), insert a sentence such as ``"The secret code of the blue door is 4821."`
 template, prefill everything into a fresh cache, greedy-generate a few tokens and score exact
 match: the first number in the answer (thousands commas removed) must equal the code.
 
+Where the question goes (``RetrievalSettings.ask``): ``"prompt"`` puts it after the document in
+the same user turn, so a policy that scores by the last queries (SnapKV's observation window)
+sees it while choosing; ``"later"`` prefills the document alone as a first turn (the cache is
+compressed at the end of that forward, knowing nothing of the question), then asks in a second
+turn on top of the compressed cache, as a chat over a document or a second question does.
+
 Every trial is run with the policy's cache and with the full cache (or the full-cache answers
 come from ``reference=``, a previous ``retrieval(..., policy="full")`` result on the same
 settings). Small models miss planted facts beyond ~1K tokens even with the full cache, so the
@@ -23,7 +29,8 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -32,7 +39,11 @@ from transformers import DynamicCache
 from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache import report
 
-__all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes"]
+__all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes", "RetrievalSettings", "ASK_MODES"]
+
+ASK_MODES = ("prompt", "later")
+#: the assistant's reply that closes the document turn with ``ask="later"``
+READ_REPLY = "I have read it."
 
 _COLORS = ("blue", "red", "green", "yellow", "silver", "black", "white", "purple", "orange", "golden")
 _OBJECTS = ("door", "box", "lamp", "gate", "chest", "window", "bottle", "clock", "cabinet", "bridge")
@@ -82,21 +93,38 @@ def _insert(doc: str, fact: str, depth: float) -> str:
     return f"{head} {fact} {tail}"
 
 
-def build_trials(
-    tokenizer,
-    text_path: str,
-    context: int,
-    depths: Sequence[float] = (0.1, 0.5, 0.9),
-    trials: int = 3,
-    offset: int = 0,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class RetrievalSettings:
+    """What a retrieval run measures: ``context`` haystack tokens (the prompt adds the fact, the
+    question and the chat template), ``depths`` x ``trials`` prompts, facts drawn from ``seed``,
+    text read from character ``offset``, ``max_new_tokens`` greedy tokens an answer, and where the
+    question goes (``ask``: ``"prompt"`` or ``"later"``, see the module docstring)."""
+
+    context: int
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    trials: int = 3
+    offset: int = 0
+    seed: int = 0
+    max_new_tokens: int = 16
+    ask: str = "prompt"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+        if self.context < 1 or self.trials < 1 or not self.depths:
+            raise ValueError("retrieval needs context >= 1, trials >= 1 and at least one depth")
+        for d in self.depths:
+            if not 0.0 <= d <= 1.0:
+                raise ValueError(f"depths must be in [0, 1], got {d}")
+        if self.ask not in ASK_MODES:
+            raise ValueError(f"ask must be one of {ASK_MODES}, got {self.ask!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def build_trials(tokenizer, text_path: str, settings: RetrievalSettings) -> list[dict[str, Any]]:
     """The trial specs (depth, trial, key, code, question, document) the runs share."""
-    if context < 1 or trials < 1 or not depths:
-        raise ValueError("retrieval needs context >= 1, trials >= 1 and at least one depth")
-    for d in depths:
-        if not 0.0 <= float(d) <= 1.0:
-            raise ValueError(f"depths must be in [0, 1], got {d}")
+    context, depths, trials = settings.context, settings.depths, settings.trials
+    offset, seed = settings.offset, settings.seed
     text = _read_text(text_path)
     need = context * 12
     if offset >= len(text):
@@ -125,15 +153,37 @@ def build_trials(
     return specs
 
 
-def _prompt_ids(tokenizer, spec: dict) -> dict:
-    content = f"{spec['document']}\n\nQuestion: {spec['question']} Answer with the number only."
-    if getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        return {k: v for k, v in dict(enc).items() if isinstance(v, torch.Tensor)}
-    enc = tokenizer(content + "\nAnswer:", return_tensors="pt")
-    return {k: v for k, v in dict(enc).items() if isinstance(v, torch.Tensor)}
+def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> torch.Tensor:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_tensors="pt",
+                                        return_dict=True)
+    return enc["input_ids"]
+
+
+def _prompt_ids(tokenizer, spec: dict, ask: str = "prompt") -> dict:
+    """``input_ids`` of the whole prompt; with ``ask="later"`` also ``context_ids``, the document
+    turn alone (a prefix of ``input_ids``), prefilled before the question is known."""
+    question = f"Question: {spec['question']} Answer with the number only."
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if ask == "prompt":
+        content = f"{spec['document']}\n\n{question}"
+        if chat:
+            return {"input_ids": _chat_ids(tokenizer, [{"role": "user", "content": content}], True)}
+        return {"input_ids": tokenizer(content + "\nAnswer:", return_tensors="pt").input_ids}
+    document = f"{spec['document']}\n\nRead the text above; I will ask about it."
+    if chat:
+        first = [{"role": "user", "content": document}, {"role": "assistant", "content": READ_REPLY}]
+        context_ids = _chat_ids(tokenizer, first, False)
+        input_ids = _chat_ids(tokenizer, first + [{"role": "user", "content": question}], True)
+    else:
+        context_ids = tokenizer(f"{document}\n{READ_REPLY}\n", return_tensors="pt").input_ids
+        more = tokenizer(f"{question}\nAnswer:", add_special_tokens=False, return_tensors="pt").input_ids
+        input_ids = torch.cat([context_ids, more], dim=1)
+    n = context_ids.shape[1]
+    if input_ids.shape[1] <= n or not torch.equal(input_ids[:, :n], context_ids):
+        # fail closed: a template that rewrites earlier turns cannot be fed turn by turn
+        raise ValueError("the chat template does not extend the document turn when the question is added; "
+                         "ask='later' needs turn-by-turn prompts")
+    return {"input_ids": input_ids, "context_ids": context_ids}
 
 
 
@@ -141,13 +191,16 @@ def _prompt_ids(tokenizer, spec: dict) -> dict:
 @torch.no_grad()
 def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int) -> str:
     device = next(model.parameters()).device
-    inputs = {k: v.to(device) for k, v in inputs.items()}
+    kwargs = {cache_kwarg(model): cache}
+    if "context_ids" in inputs:  # ask="later": the document turn is prefilled (and compressed) first
+        model(input_ids=inputs["context_ids"].to(device), use_cache=True, **kwargs)
+    input_ids = inputs["input_ids"].to(device)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None)
-    kwargs = {cache_kwarg(model): cache}
-    out = model.generate(**inputs, **kwargs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs,
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, label) -> list[dict]:
@@ -171,33 +224,27 @@ def retrieval(
     model,
     tokenizer,
     text_path: str,
-    context: int,
     policy: str,
     budget,
-    depths: Sequence[float] = (0.1, 0.5, 0.9),
-    trials: int = 3,
+    settings: RetrievalSettings,
     *,
-    offset: int = 0,
-    seed: int = 0,
-    max_new_tokens: int = 16,
     reference: dict | None = None,
     progress: bool = False,
     **cache_kwargs,
 ) -> dict[str, Any]:
     """Planted-fact retrieval accuracy of ``policy`` at ``budget``, and relative to the full cache.
 
-    ``context``: haystack tokens (the prompt adds the fact, question and chat template).
-    ``depths`` x ``trials`` prompts. ``reference``: a ``retrieval(..., policy="full")`` result
-    with the same settings, reused instead of rerunning the full cache. ``cache_kwargs`` go to
-    ``vlm_kv.make_cache`` (e.g. ``evict_every``, ``gates``). Returns a dict: settings,
+    ``reference``: a ``retrieval(..., policy="full")`` result with the same settings, reused
+    instead of rerunning the full cache. ``cache_kwargs`` go to ``vlm_kv.make_cache`` (``gates=``,
+    ``tiers=``, ``options=``). Returns a dict: settings,
     ``accuracy``, ``full_accuracy``, ``relative_accuracy``, ``retained``, ``agreement``,
     ``by_depth`` / ``full_by_depth`` (accuracy per depth), ``kv_bytes`` (mean held after
     generation), ``max_kv_bytes``, ``full_kv_bytes``, ``prompt_tokens`` (mean) and ``records``
     (one per trial).
     """
-    depths = tuple(float(d) for d in depths)
-    specs = build_trials(tokenizer, text_path, context, depths, trials, offset, seed)
-    inputs = [_prompt_ids(tokenizer, s) for s in specs]
+    context, depths, trials, max_new_tokens = settings.context, settings.depths, settings.trials, settings.max_new_tokens
+    specs = build_trials(tokenizer, text_path, settings)
+    inputs = [_prompt_ids(tokenizer, s, settings.ask) for s in specs]
     # build one cache up front: a bad policy / budget / missing gates fails before any generation
     make_cache(model, policy=policy, budget=budget, **cache_kwargs)
 
@@ -210,10 +257,11 @@ def retrieval(
         full = runs
     elif reference is not None:
         full = reference.get("records") or []
-        if len(full) != len(specs) or any(
+        if reference.get("ask", "prompt") != settings.ask or len(full) != len(specs) or any(
             (r.get("key"), r.get("code"), r.get("depth")) != (s["key"], s["code"], s["depth"]) for r, s in zip(full, specs)
         ):
-            raise ValueError("retrieval reference was run with other settings (trials, depths, seed or text differ)")
+            raise ValueError("retrieval reference was run with other settings (trials, depths, seed, text or ask "
+                             "differ)")
         full = [{"answer": r["full_answer"], "correct": r["full_correct"], "kv_bytes": r["full_kv_bytes"],
                  "max_kv_bytes": r["full_kv_bytes"]} for r in full]
     else:
@@ -248,6 +296,7 @@ def retrieval(
         "context": context,
         "depths": list(depths),
         "trials": trials,
+        "ask": settings.ask,
         "n": len(records),
         "accuracy": acc,
         "full_accuracy": full_acc,

@@ -25,6 +25,7 @@ from vlm_kv.config import budget_arg as parse_budget
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
 from vlm_kv.eval.mmdu_data import load_mmdu
+from vlm_kv.eval.retrieval import ASK_MODES, RetrievalSettings
 from vlm_kv.eval.sweep import run_sweep
 from vlm_kv.eval.sweep_table import FRACTION_AT_END
 from vlm_kv.models.named import is_vlm, load_model, load_vlm, model_label
@@ -130,9 +131,10 @@ def build_task(args):
             return sw.FidelityTask(model, tok, args.text, context, continuation, offset=args.offset,
                                    model_name=_text_model_name(args), cache_kwargs=kw, progress=False,
                                    diagnostics=getattr(args, "diagnostics", False))
-        return sw.RetrievalTask(model, tok, args.text, context, depths=args.depths, trials=args.trials,
-                                offset=args.offset, seed=args.seed, max_new_tokens=args.max_new_tokens or 16,
-                                model_name=_text_model_name(args), cache_kwargs=kw, progress=False)
+        settings = RetrievalSettings(context, tuple(args.depths), args.trials, args.offset, args.seed,
+                                     args.max_new_tokens or 16, args.ask)
+        return sw.RetrievalTask(model, tok, args.text, settings, model_name=_text_model_name(args), cache_kwargs=kw,
+                                progress=False)
     if args.task == "mathvision":
         data = args.data or default_data_dir()
         if data is None:
@@ -222,6 +224,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="fidelity: add future missed mass, churn and LIR columns (docs/diagnostics.md)")
     g.add_argument("--depths", type=_floats, default=[0.1, 0.5, 0.9], help="retrieval: fact depths in [0, 1]")
     g.add_argument("--trials", type=int, default=3, help="retrieval: trials per depth")
+    g.add_argument("--ask", choices=ASK_MODES, default="prompt",
+                   help="retrieval: the question after the document in the prompt (prompt), or in a new turn "
+                        "once the document was prefilled and compressed (later)")
     g.add_argument("--seed", type=int, default=0, help="retrieval: seed of the planted facts")
     g = p.add_argument_group("mathvision / mmdu")
     g.add_argument("--data", default=None, help="mathvision: data folder / file; mmdu: benchmark JSON")

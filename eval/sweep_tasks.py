@@ -20,7 +20,7 @@ from vlm_kv.eval.kv_meter import CacheMeter
 from vlm_kv.eval.mathvision_run import run_mathvision
 from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
 from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
-from vlm_kv.eval.retrieval import retrieval
+from vlm_kv.eval.retrieval import RetrievalSettings, retrieval
 from vlm_kv.eval.sweep_table import FULL_ROW
 
 __all__ = ["Metric", "FidelityTask", "RetrievalTask", "MathVisionTask", "MMDUTask", "TASKS"]
@@ -124,26 +124,23 @@ class RetrievalTask:
     name = "retrieval"
     metrics = (Metric("accuracy", "planted-fact retrieval accuracy (exact match)", ylim=(0.0, 1.0)),)
 
-    def __init__(self, model, tokenizer, text_path: str, context: int, *, depths: Sequence[float] = (0.1, 0.5, 0.9),
-                 trials: int = 3, offset: int = 0, seed: int = 0, max_new_tokens: int = 16,
+    def __init__(self, model, tokenizer, text_path: str, settings: RetrievalSettings, *,
                  model_name: str | None = None, cache_kwargs: dict | None = None, progress: bool = False):
         self.model, self.tokenizer = model, tokenizer
-        self.text_path, self.context = str(text_path), context
-        self.depths, self.trials, self.offset, self.seed = [float(d) for d in depths], trials, offset, seed
-        self.max_new_tokens = max_new_tokens
+        self.text_path, self.trial_settings = str(text_path), settings
         self.model_name = model_name
         self.cache_kwargs = dict(cache_kwargs or {})
         self.progress = progress
         self._ref: dict | None = None
 
     def settings(self) -> dict:
-        return {"model": self.model_name, "text": os.path.abspath(self.text_path), "offset": self.offset,
-                "context": self.context, "depths": self.depths, "trials": self.trials, "seed": self.seed,
-                "max_new_tokens": self.max_new_tokens, "cache_kwargs": self.cache_kwargs}
-
-    def _kw(self) -> dict:
-        return dict(depths=self.depths, trials=self.trials, offset=self.offset, seed=self.seed,
-                    max_new_tokens=self.max_new_tokens, progress=self.progress)
+        s = self.trial_settings
+        out = {"model": self.model_name, "text": os.path.abspath(self.text_path), "offset": s.offset,
+               "context": s.context, "depths": list(s.depths), "trials": s.trials, "seed": s.seed,
+               "max_new_tokens": s.max_new_tokens, "cache_kwargs": self.cache_kwargs}
+        if s.ask != "prompt":  # only when set, so sweeps written before ask existed still resume
+            out["ask"] = s.ask
+        return out
 
     def use_reference(self, row: dict) -> None:
         """A reference row stored by an earlier run (its ``records`` carry the full-cache answers)."""
@@ -151,14 +148,15 @@ class RetrievalTask:
             self._ref = row
 
     def reference(self) -> dict:
-        self._ref = retrieval(self.model, self.tokenizer, self.text_path, self.context, "full", 1.0, **self._kw())
+        self._ref = retrieval(self.model, self.tokenizer, self.text_path, "full", 1.0, self.trial_settings,
+                              progress=self.progress)
         return _strip_policy(self._ref)
 
     def run(self, policy: str, budget) -> dict:
         if self._ref is None:
             self.reference()
-        r = retrieval(self.model, self.tokenizer, self.text_path, self.context, policy, budget,
-                      reference=self._ref, **self._kw(), **self.cache_kwargs)
+        r = retrieval(self.model, self.tokenizer, self.text_path, policy, budget, self.trial_settings,
+                      reference=self._ref, progress=self.progress, **self.cache_kwargs)
         return _strip_policy(r)
 
 

@@ -5,11 +5,12 @@ import csv
 import json
 
 import pytest
+import torch
 
 import vlm_kv
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval import sweep_cli
-from vlm_kv.eval.retrieval import build_trials, retrieval, score_answer
+from vlm_kv.eval.retrieval import RetrievalSettings, build_trials, retrieval, score_answer
 from vlm_kv.testing import tiny_model, tiny_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -153,7 +154,8 @@ def test_score_answer_exact_match():
 
 def test_trials_plant_the_fact_at_the_requested_depth(tiny, text_file):
     _, tok = tiny
-    specs = build_trials(tok, text_file, 400, depths=(0.0, 0.5, 1.0), trials=2, seed=3)
+    settings = RetrievalSettings(400, depths=(0.0, 0.5, 1.0), trials=2, seed=3)
+    specs = build_trials(tok, text_file, settings)
     assert len(specs) == 6 and len({s["text_offset"] for s in specs}) == 2
     for s in specs:
         fact = f"The secret code of the {s['key']} is {s['code']}."
@@ -162,14 +164,14 @@ def test_trials_plant_the_fact_at_the_requested_depth(tiny, text_file):
         assert abs(where - s["depth"]) < 0.25
     assert specs[0]["document"].startswith("The secret code")
     assert specs[2]["document"].endswith(f"{specs[2]['code']}.")
-    assert specs == build_trials(tok, text_file, 400, depths=(0.0, 0.5, 1.0), trials=2, seed=3)
+    assert specs == build_trials(tok, text_file, settings)
 
 
 def test_retrieval_on_tiny_model(tiny, text_file):
     model, tok = tiny
-    full = retrieval(model, tok, text_file, 96, "full", 1.0, depths=(0.2, 0.8), trials=2, max_new_tokens=4)
-    res = retrieval(model, tok, text_file, 96, "streaming_llm", 0.5, depths=(0.2, 0.8), trials=2,
-                    max_new_tokens=4, reference=full)
+    settings = RetrievalSettings(96, depths=(0.2, 0.8), trials=2, max_new_tokens=4)
+    full = retrieval(model, tok, text_file, "full", 1.0, settings)
+    res = retrieval(model, tok, text_file, "streaming_llm", 0.5, settings, reference=full)
     for key in ("accuracy", "full_accuracy", "relative_accuracy", "retained", "agreement", "by_depth",
                 "full_by_depth", "kv_bytes", "max_kv_bytes", "full_kv_bytes", "prompt_tokens", "records"):
         assert key in res
@@ -181,7 +183,11 @@ def test_retrieval_on_tiny_model(tiny, text_file):
     assert set(res["by_depth"]) == {"0.2", "0.8"}
     assert res["kv_bytes"] < res["full_kv_bytes"]
     with pytest.raises(ValueError, match="other settings"):
-        retrieval(model, tok, text_file, 96, "streaming_llm", 0.5, depths=(0.2,), trials=2, reference=full)
+        retrieval(model, tok, text_file, "streaming_llm", 0.5, RetrievalSettings(96, depths=(0.2,), trials=2),
+                  reference=full)
+    with pytest.raises(ValueError, match="other settings"):  # asked later: other prompts
+        retrieval(model, tok, text_file, "streaming_llm", 0.5,
+                  RetrievalSettings(96, depths=(0.2, 0.8), trials=2, max_new_tokens=4, ask="later"), reference=full)
 
 
 def test_every_task_reports_the_kv_columns_with_one_definition(tiny, text_file, tmp_path):
@@ -192,7 +198,7 @@ def test_every_task_reports_the_kv_columns_with_one_definition(tiny, text_file, 
     model, tok = tiny
     budget = 0.25
     tasks = [_fidelity_task(tiny, text_file),
-             sw.RetrievalTask(model, tok, text_file, 96, depths=(0.5,), trials=2, max_new_tokens=12)]
+             sw.RetrievalTask(model, tok, text_file, RetrievalSettings(96, depths=(0.5,), trials=2, max_new_tokens=12))]
     for task in tasks:
         result = sw.run_sweep(task, ["streaming_llm"], [budget], tmp_path / task.name, progress=False, plots=False)
         header = _csv_rows(result.csv_path)[0]
@@ -306,3 +312,29 @@ def test_mmdu_sweep_answers_then_judges_every_cell(tiny_vlm, tmp_path):
     for row in (res.reference, *res.rows):
         assert row["judged"] is True and row["overall"] == pytest.approx(60.0) and 0 <= row["rouge_l"] <= 1
     assert {p.name for p in res.plots} >= {"sweep_mmdu_overall_vs_kv_bytes.png", "sweep_mmdu_rouge_l_vs_budget.png"}
+
+
+def test_retrieval_asked_later_prefills_the_document_before_the_question(tiny, text_file, monkeypatch):
+    from vlm_kv.eval import retrieval as R
+
+    model, tok = tiny
+    settings = RetrievalSettings(96, depths=(0.5,), trials=1, max_new_tokens=4, ask="later")
+    (spec,) = build_trials(tok, text_file, settings)
+    ids = R._prompt_ids(tok, spec, "later")
+    n = ids["context_ids"].shape[1]
+    assert torch.equal(ids["input_ids"][:, :n], ids["context_ids"])
+    assert spec["question"] in tok.decode(ids["input_ids"][0, n:]) and spec["question"] not in tok.decode(ids["context_ids"][0])
+    # the compressed cache chooses before the question exists: the first forward sees the document turn only
+    seen = []
+    real_forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[1])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    res = retrieval(model, tok, text_file, "streaming_llm", 0.5, settings)
+    assert seen[0] == n and seen[1] == ids["input_ids"].shape[1] - n  # then only the question turn is prefilled
+    assert res["ask"] == "later" and res["kv_bytes"] < res["full_kv_bytes"]
+    with pytest.raises(ValueError, match="ask must be one of"):
+        RetrievalSettings(96, ask="sometime")
