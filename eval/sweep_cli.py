@@ -5,6 +5,8 @@
     vlm-kv sweep --task retrieval --model smollm2 --text FILE --context 1024 --depths 0.1,0.5,0.9 --trials 3 ...
     vlm-kv sweep --task mathvision --model VLM_DIR [--data DIR] [--limit N] ...
     vlm-kv sweep --task mmdu --model VLM_DIR --data FILE --images DIR (--judge DIR | --no-judge) ...
+    vlm-kv sweep --task multimodal --model smollava --data-seed 1 --items 20 [--tasks single,multi_image,multi_turn] \
+                 [--images real|noise] --policies snapkv,dbtrimkv --budgets 0.05,0.1,0.25 --out DIR
 
 The full cache runs once as the reference. Rerunning with the same --out skips finished
 (policy, budget) rows. Output: sweep_<task>.json / .csv and sweep_<task>_<metric>_vs_*.png in --out.
@@ -25,6 +27,9 @@ from vlm_kv.config import budget_arg as parse_budget
 from vlm_kv.eval import sweep as sw
 from vlm_kv.eval.mathvision_data import default_data_dir, load_problems
 from vlm_kv.eval.mmdu_data import load_mmdu
+from vlm_kv.eval.multimodal import MultimodalBench, MultimodalSettings
+from vlm_kv.eval.multimodal import TASKS as MULTIMODAL_TASKS
+from vlm_kv.eval.multimodal_sweep import run_multimodal_sweep
 from vlm_kv.eval.retrieval import ASK_MODES, RetrievalSettings
 from vlm_kv.eval.sweep import run_sweep
 from vlm_kv.eval.sweep_table import FRACTION_AT_END
@@ -169,7 +174,35 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def cmd_multimodal(args: argparse.Namespace) -> int:
+    """``--task multimodal``: rows per (policy, budget, task) of the generated visual tasks."""
+    images = args.images or "real"
+    settings = MultimodalSettings(data_seed=args.data_seed, items=args.items, tasks=tuple(args.tasks),
+                                  images=images, max_new_tokens=args.max_new_tokens or 8)
+    settings.validate()
+    if not is_vlm(args.model):
+        raise ValueError(f"sweep --task multimodal needs a VLM: --model smollava or a local VLM folder, "
+                         f"got {args.model!r}")
+    kw = _cache_kwargs(args)
+    model, processor = load_vlm(args.model, args.device)
+    bench = MultimodalBench(model, processor, settings, cache_kwargs=kw, progress=not args.no_progress)
+    rows = run_multimodal_sweep(bench, args.policies, args.budgets, args.out, model_name=model_label(args.model),
+                                progress=not args.no_progress)
+    header = ["task", "policy", "budget", "accuracy", "relative_accuracy", "kl", "visual_share", "kv_bytes"]
+    lines = [header] + [[_fmt(r.get(k)) for k in header] for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    for r in rows:
+        if r.get("error"):
+            print(f"sweep: {r['task']} {r['policy']}@{r['budget']}: {r['error']}", file=sys.stderr)
+    print(f"sweep: table {args.out}/sweep_multimodal.json and .csv", file=sys.stderr)
+    return 0
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.task == "multimodal":
+        return cmd_multimodal(args)
     task = build_task(args)
     result = run_sweep(task, args.policies, args.budgets, args.out, progress=not args.no_progress)
     keys = [m.key for m in task.metrics]
@@ -198,9 +231,9 @@ def register(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--task", required=True, choices=("fidelity", "retrieval", "mathvision", "mmdu"))
+    p.add_argument("--task", required=True, choices=("fidelity", "retrieval", "mathvision", "mmdu", "multimodal"))
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' or a local model folder (a VLM folder for mathvision / mmdu)")
+                   help="'smollm2', 'smollava' or a local model folder (a VLM for mathvision / mmdu / multimodal)")
     p.add_argument("--policies", required=True, type=_policies, help="comma-separated policy names")
     p.add_argument("--budgets", required=True, type=_budgets,
                    help="comma-separated budgets, each " + BUDGET_HELP)
@@ -230,7 +263,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="retrieval: seed of the planted facts")
     g = p.add_argument_group("mathvision / mmdu")
     g.add_argument("--data", default=None, help="mathvision: data folder / file; mmdu: benchmark JSON")
-    g.add_argument("--images", default=None, help="mmdu: folder the images archive was extracted to")
+    g.add_argument("--images", default=None, help="mmdu: folder the images archive was extracted to; multimodal: "
+                   "real (default) or noise (pixels replaced by noise: the reads-its-images control)")
     g.add_argument("--limit", type=int, default=None, help="first N problems / dialogs")
     g.add_argument("--judge", default=None, help="mmdu: local judge model folder")
     g.add_argument("--no-judge", action="store_true", help="mmdu: ROUGE-L only")
@@ -238,5 +272,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--split", default="testmini", help="mathvision split when --data is a folder")
     g.add_argument("--prompt", choices=("authors", "lmms-eval"), default="authors", help="mathvision prompt style")
     g.add_argument("--device", default=None, help="cuda / cpu for VLM tasks (default: cuda when available)")
+    g = p.add_argument_group("multimodal (generated visual tasks)")
+    g.add_argument("--data-seed", type=int, default=1,
+                   help="generator seed of the items (smollava trained on seed 0: any other seed is held out)")
+    g.add_argument("--items", type=int, default=20, help="items per task")
+    g.add_argument("--tasks", type=parse_list, default=list(MULTIMODAL_TASKS),
+                   help=f"comma-separated, of {', '.join(MULTIMODAL_TASKS)}")
     p.set_defaults(func=cmd_sweep)
     return p

@@ -1,0 +1,66 @@
+"""``vlm-kv sweep --task multimodal``: rows per (policy, budget, task), resume, refusals (tiny LM, code paths)."""
+
+import json
+
+import pytest
+import torch
+
+import vlm_kv.cli.main as cli
+from vlm_kv.eval import multimodal_sweep as MS
+from vlm_kv.eval import sweep_cli
+from vlm_kv.eval.multimodal import MultimodalBench, MultimodalSettings
+from vlm_kv.models import smollava as S
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                      max_position_embeddings=4096, pad_token_id=2))
+    return S.build_smollava(lm, smollm2[1])
+
+
+def _bench(tiny, **kw):
+    settings = MultimodalSettings(data_seed=3, items=1, tasks=("single", "multi_turn"), max_new_tokens=2, **kw)
+    return MultimodalBench(*tiny, settings)
+
+
+def test_rows_per_policy_budget_and_task_then_resume(tiny, tmp_path, monkeypatch):
+    rows = MS.run_multimodal_sweep(_bench(tiny), ["snapkv"], [0.5], tmp_path, model_name="tiny", progress=False)
+    assert [(r["policy"], r["budget"], r["task"]) for r in rows] == [
+        ("full", 1.0, "single"), ("full", 1.0, "multi_turn"), ("snapkv", 0.5, "single"), ("snapkv", 0.5, "multi_turn")]
+    table = json.loads((tmp_path / "sweep_multimodal.json").read_text())
+    assert table["task"] == "multimodal" and table["settings"]["data_seed"] == 3 and table["rows"] == rows
+    for r in rows:
+        assert {"accuracy", "full_accuracy", "relative_accuracy", "chance", "kl", "kv_bytes", "full_kv_bytes",
+                "max_kv_bytes", "visual_share", "items", "error"} <= set(r)
+    assert rows[2]["kv_bytes"] < rows[2]["full_kv_bytes"]
+    assert (tmp_path / "sweep_multimodal.csv").read_text().splitlines()[0].startswith("policy,budget,task")
+    assert (tmp_path / "sweep_multimodal_accuracy.png").stat().st_size > 0
+    # a rerun keeps every finished row
+    bench = _bench(tiny)
+    monkeypatch.setattr(bench, "run_task", lambda *a: pytest.fail("a finished row ran again"))
+    assert MS.run_multimodal_sweep(bench, ["snapkv"], [0.5], tmp_path, model_name="tiny", progress=False,
+                                   plots=False) == rows
+    with pytest.raises(ValueError, match="other settings .*images"):
+        MS.run_multimodal_sweep(_bench(tiny, images="noise"), ["snapkv"], [0.5], tmp_path, model_name="tiny",
+                                progress=False)
+
+
+def test_cli_runs_the_multimodal_task(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep_cli, "is_vlm", lambda name: True)
+    monkeypatch.setattr(sweep_cli, "load_vlm", lambda name, device=None: tiny)
+    code = cli.main(["sweep", "--task", "multimodal", "--model", "smollava", "--data-seed", "3", "--items", "1",
+                     "--tasks", "single", "--images", "noise", "--max-new-tokens", "2", "--policies", "h2o",
+                     "--budgets", "0.5", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    table = json.loads((tmp_path / "sweep_multimodal.json").read_text())
+    assert table["settings"]["images"] == "noise" and table["settings"]["model"] == "smollava"
+    assert [(r["policy"], r["task"]) for r in table["rows"]] == [("full", "single"), ("h2o", "single")]
+    assert "relative_accuracy" in capsys.readouterr().out
+    assert cli.main(["sweep", "--task", "multimodal", "--model", "smollava", "--images", "blur", "--policies", "h2o",
+                     "--budgets", "0.5", "--out", str(tmp_path / "x")]) == 2
+    assert "images must be 'real' or 'noise'" in capsys.readouterr().err
