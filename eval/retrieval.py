@@ -38,15 +38,12 @@ from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache import report
+from vlm_kv.eval.planted_facts import COLORS, OBJECTS, READ_REPLY, READ_REQUEST, insert_at_depth
 
 __all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes", "RetrievalSettings", "ASK_MODES"]
 
 ASK_MODES = ("prompt", "later")
-#: the assistant's reply that closes the document turn with ``ask="later"``
-READ_REPLY = "I have read it."
 
-_COLORS = ("blue", "red", "green", "yellow", "silver", "black", "white", "purple", "orange", "golden")
-_OBJECTS = ("door", "box", "lamp", "gate", "chest", "window", "bottle", "clock", "cabinet", "bridge")
 _NUMBER = re.compile(r"\d[\d,]*")
 
 
@@ -74,23 +71,6 @@ def _haystack(tokenizer, text: str, start: int, context: int) -> str:
     if len(ids) < context:
         raise ValueError(f"the text has only {len(ids)} tokens from character {start}, {context} needed")
     return tokenizer.decode(ids[:context], skip_special_tokens=True)
-
-
-def _insert(doc: str, fact: str, depth: float) -> str:
-    """``fact`` after the first sentence end at or after ``depth`` of ``doc`` (0 = start, 1 = end)."""
-    pos = int(round(depth * len(doc)))
-    if pos <= 0:
-        return f"{fact} {doc.lstrip()}"
-    if pos >= len(doc):
-        return f"{doc.rstrip()} {fact}"
-    m = re.compile(r"[.!?][\"')\]]?\s|\n").search(doc, pos, min(len(doc), pos + 400))
-    if m is None:
-        space = doc.find(" ", pos)
-        cut = space if space != -1 else pos
-    else:
-        cut = m.end()
-    head, tail = doc[:cut].rstrip(), doc[cut:].lstrip()
-    return f"{head} {fact} {tail}"
 
 
 @dataclass(frozen=True)
@@ -136,7 +116,7 @@ def build_trials(tokenizer, text_path: str, settings: RetrievalSettings) -> list
         doc = _haystack(tokenizer, text, start, context)
         for di, depth in enumerate(depths):
             rng = random.Random(f"{seed}/{t}/{di}")
-            key = f"{rng.choice(_COLORS)} {rng.choice(_OBJECTS)}"
+            key = f"{rng.choice(COLORS)} {rng.choice(OBJECTS)}"
             code = str(rng.randint(1000, 9999))
             fact = f"The secret code of the {key} is {code}."
             specs.append(
@@ -147,7 +127,7 @@ def build_trials(tokenizer, text_path: str, settings: RetrievalSettings) -> list
                     "key": key,
                     "code": code,
                     "question": f"What is the secret code of the {key}?",
-                    "document": _insert(doc, fact, float(depth)),
+                    "document": insert_at_depth(doc, fact, float(depth)),
                 }
             )
     return specs
@@ -169,7 +149,7 @@ def _prompt_ids(tokenizer, spec: dict, ask: str = "prompt") -> dict:
         if chat:
             return {"input_ids": _chat_ids(tokenizer, [{"role": "user", "content": content}], True)}
         return {"input_ids": tokenizer(content + "\nAnswer:", return_tensors="pt").input_ids}
-    document = f"{spec['document']}\n\nRead the text above; I will ask about it."
+    document = f"{spec['document']}\n\n{READ_REQUEST}"
     if chat:
         first = [{"role": "user", "content": document}, {"role": "assistant", "content": READ_REPLY}]
         context_ids = _chat_ids(tokenizer, first, False)

@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-capacity", action="store_true",
                    help="O(T^2) double sum for the capacity term (default: the O(T) scan)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (checkpointed); resume later")
+    p.add_argument("--facts-share", type=float, default=0.0,
+                   help="share of the text samples turned into chats with planted facts (codes, names, dates, "
+                        "lists) asked for in later turns: trains the gates to keep what will be asked")
+    p.add_argument("--facts-per-sample", type=int, default=3, help="planted facts (and questions) per such chat")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -69,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         min_lr=args.min_lr, warmup=args.warmup, grad_accum=args.grad_accum, batch_size=args.batch_size,
         save_every=args.save_every, seed=args.seed, kind=args.kind, coupled=not args.uncoupled,
         width=args.width, init_bias=args.init_bias, lambda_cap=args.lambda_cap, stop_at=args.stop_at,
-        progress=not args.no_progress,
+        progress=not args.no_progress, facts_share=args.facts_share, facts_per_sample=args.facts_per_sample,
     )
 
 

@@ -21,6 +21,12 @@ sample, rendered through the model's processor (``apply_chat_template`` with PIL
 truncated to ``max_length`` (an image whose placeholder tokens would be cut is dropped with
 everything after it).
 
+Planted facts (``FactsMix``, ``--facts-share``): a share of the text samples become chats. The
+sample's text, cut to leave room, holds a few planted facts (codes, names, dates, lists) and is
+followed by one question a turn, each answered, so the distillation loss (every next token)
+covers answers that only a cache which kept the fact can give (``vlm_kv.eval.planted_facts``).
+Which samples, and their facts, are a function of the seed and the sample number.
+
 Order: sample ``k`` of the stream is ``perm(epoch)[k % n]`` with ``epoch = k // n`` and
 ``perm(e)`` a permutation drawn from ``seed + e``. The data position is the single integer
 ``k`` (``position``), so saving and restoring it resumes the stream exactly.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +44,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vlm_kv.eval.planted_facts import FACT_KINDS, facts_chat
 from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 
 IGNORE = -100
@@ -142,12 +150,32 @@ def _load_media(item: dict) -> dict:
     return item
 
 
+@dataclass(frozen=True)
+class FactsMix:
+    """``share`` of the text samples turned into planted-fact chats of ``per_sample`` facts."""
+
+    share: float
+    per_sample: int = 3
+    kinds: tuple[str, ...] = FACT_KINDS
+    #: tokens each question and answer turn may take; the text is cut to leave this room
+    turn_tokens: int = 40
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"facts share must be in [0, 1], got {self.share}")
+        if self.per_sample < 1:
+            raise ValueError(f"facts per sample must be >= 1, got {self.per_sample}")
+        unknown = set(self.kinds) - set(FACT_KINDS)
+        if unknown or not self.kinds:
+            raise ValueError(f"fact kinds must be a non-empty subset of {FACT_KINDS}, got {self.kinds}")
+
+
 class TrainingData:
     """A deterministic, resumable stream of training samples (dicts of [1, T] tensors)."""
 
     def __init__(self, files: list[str], processor: Any, max_length: int, seed: int = 0,
                  image_token_id: int | None = None, video_token_id: int | None = None,
-                 min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+                 min_pixels: int | None = None, max_pixels: int | None = None, facts: FactsMix | None = None) -> None:
         if max_length < 2:
             raise ValueError("max_length must be >= 2")
         self.files = list(files)
@@ -158,6 +186,9 @@ class TrainingData:
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.pixel_limits = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        self.facts = facts if facts is not None and facts.share > 0 else None
+        if self.facts is not None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("planted-fact samples are chats: the tokenizer has no chat template")
         texts: list[str] = []
         self.conversations: list[_Conversation] = []
         for f in self.files:
@@ -276,7 +307,11 @@ class TrainingData:
         """Sample number ``k`` of the stream: input_ids, attention_mask, labels, plus vision inputs."""
         n = len(self.samples)
         kind, idx = self.samples[self._order(k // n)[k % n]]
-        if kind == "text":
+        rng = random.Random(f"{self.seed}/facts/{k}")
+        if kind == "text" and self.facts is not None and rng.random() < self.facts.share:
+            ids = self._facts_sample(self.chunks[idx], rng)[None]
+            enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        elif kind == "text":
             ids = self.chunks[idx][None]
             enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         else:
@@ -284,6 +319,21 @@ class TrainingData:
             enc.setdefault("attention_mask", torch.ones_like(enc["input_ids"]))
         enc["labels"] = self._labels(enc["input_ids"])
         return enc
+
+    def _facts_sample(self, chunk: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        """A chat of ``chunk``'s text with planted facts and their questions, at most max_length tokens."""
+        mix = self.facts
+        room = self.max_length - mix.per_sample * (mix.turn_tokens + 30) - 80  # facts, questions, template
+        if room < 32:
+            raise ValueError(f"max_length {self.max_length} leaves no room for a text with {mix.per_sample} "
+                             "planted facts and their questions; raise max_length or lower --facts-per-sample")
+        doc = self.tokenizer.decode(chunk[:room], skip_special_tokens=True)
+        messages = facts_chat(doc, rng, mix.per_sample, mix.kinds)
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                                 add_generation_prompt=False)["input_ids"][0]
+        if len(ids) > self.max_length:  # fail closed: a cut chat would drop the answers it is for
+            raise ValueError(f"a planted-fact chat took {len(ids)} tokens, over max_length {self.max_length}")
+        return ids
 
     def _labels(self, ids: torch.Tensor) -> torch.Tensor:
         """Next-token targets aligned with the inputs: labels[:, t] = ids[:, t+1]; the last

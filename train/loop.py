@@ -57,7 +57,7 @@ from vlm_kv.api import attach
 from vlm_kv.gates.io import load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
 from vlm_kv.models.named import load_model_and_processor
-from vlm_kv.train.data import TrainingData
+from vlm_kv.train.data import FactsMix, TrainingData
 from vlm_kv.train.losses import budget_from_fraction, capacity_loss, distill_losses
 from vlm_kv.train.soft_retention import SoftRetention
 
@@ -96,6 +96,8 @@ class TrainConfig:
     resume: bool = False
     stop_at: int | None = None      # stop after this step (leaving a checkpoint); schedule still spans `steps`
     progress: bool = True
+    facts_share: float = 0.0        # share of text samples turned into planted-fact chats (train/data.py)
+    facts_per_sample: int = 3
     extra: dict = field(default_factory=dict)
 
 
@@ -124,6 +126,7 @@ def resolved_min_lr(cfg: TrainConfig) -> float:
 
 def check_data(cfg: TrainConfig) -> None:
     """Every training file exists and holds something: checked before the model loads."""
+    FactsMix(cfg.facts_share, cfg.facts_per_sample)  # range checks
     for path in cfg.data:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"training data file not found: {path}")
@@ -246,8 +249,9 @@ def train_gates(config: TrainConfig | dict) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg))
     student, optimizer = accelerator.prepare(student, optimizer)
 
+    facts = FactsMix(cfg.facts_share, cfg.facts_per_sample) if cfg.facts_share > 0 else None
     data = TrainingData(cfg.data, processor, cfg.max_length, seed=cfg.seed,
-                        image_token_id=adapter.image_token_id, video_token_id=adapter.video_token_id)
+                        image_token_id=adapter.image_token_id, video_token_id=adapter.video_token_id, facts=facts)
 
     # ---- resume
     start = 0
