@@ -246,8 +246,7 @@ class VLMKVGenerator:
         return cls(model, processor, cache_kwargs, max_new_tokens, min_pixels, max_pixels)
 
     def _inputs(self, context: str, images: list) -> dict:
-        text = re.sub(r"<image>\s*", "", context or "").strip() if images else (context or "")
-        content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+        content = _user_content(context or "", images)
         messages = [{"role": "user", "content": content}]
         size_kwargs = {}
         if self.qwen_sizing and images:
@@ -328,6 +327,22 @@ class VLMKVGenerator:
         if hasattr(cache, "kv_bytes"):
             self.last_kv_bytes = int(cache.kv_bytes()["total"])
         return tuple(answers)
+
+
+def _user_content(context: str, images: list) -> list[dict]:
+    """The user turn's content items: with one ``<image>`` marker per image, each image where its
+    marker stands (the task placed it: smollava's tasks put a newline after it, as in training);
+    otherwise every image first, then the text without markers."""
+    if images and context.count("<image>") == len(images):
+        content: list[dict] = []
+        for k, chunk in enumerate(context.split("<image>")):
+            if k:
+                content.append({"type": "image", "image": images[k - 1]})
+            if chunk.strip() or (k and chunk):
+                content.append({"type": "text", "text": chunk})
+        return content
+    text = re.sub(r"<image>\s*", "", context).strip() if images else context
+    return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
 
 
 def _cut_at_stop(text: str, until) -> str:
