@@ -2,12 +2,15 @@
 
 Prefill ``context`` tokens of a text with the policy, feed the next ``continuation`` tokens one
 at a time, and compare each next-token distribution with the full cache's: mean KL(full ||
-compressed), top-1 agreement, and the NLL of the true next tokens.
+compressed), top-1 agreement, and the NLL of the true next tokens. Long continuations: KL per
+block of ``KL_BLOCK`` fed tokens (``kl_per_block``), and for tiered caches the moves between tiers
+(``tier_moves``: demotions, promotions... from ``stats()["per_tier"]``), so one run says how KL
+evolves and how many windows come back.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -17,6 +20,17 @@ from transformers import DynamicCache
 from vlm_kv.api import make_cache
 from vlm_kv.cache.report import cache_bytes, peak_after_eviction
 from vlm_kv.eval.teacher_forcing import feed_continuation
+
+
+KL_BLOCK = 128  # fed tokens per entry of ``kl_per_block``
+
+
+def _tier_moves(cache) -> dict[str, int] | None:
+    if not getattr(cache, "tiers", None):
+        return None
+    moves = cache.stats()["per_tier"]
+    return {k: int(moves[k]) for k in ("quantized", "demotions", "promotions", "lossless_promotions",
+                                       "evicted_windows", "ledger_reuses")}
 
 
 @dataclass
@@ -34,13 +48,15 @@ class FidelityResult:
     full_nll: float = float("nan")
     decode_ms_per_token: float = float("nan")
     held_bytes: int = 0  # everything the cache keeps at the end (kv_bytes()["held"]): keys/values and bookkeeping
+    kl_per_block: list[float] = field(default_factory=list)  # mean KL of each KL_BLOCK fed tokens, in order
+    tier_moves: dict[str, int] | None = None  # tiered caches: stats()["per_tier"] counters at the end
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def json_fields(self) -> dict:
         keys = ("policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes", "full_kv_bytes", "max_kv_bytes",
-                "held_bytes")
+                "held_bytes", "kl_per_block", "tier_moves")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -118,6 +134,8 @@ def measure(
         held_bytes=held,
         full_nll=float(full_nll.mean()),
         decode_ms_per_token=ms,
+        kl_per_block=[float(block.mean()) for block in kl.split(KL_BLOCK)],
+        tier_moves=_tier_moves(cache),
     )
 
 

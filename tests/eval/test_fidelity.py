@@ -4,6 +4,7 @@ import json
 import pytest
 
 from vlm_kv.cli.main import main
+from vlm_kv.config import CacheOptions
 from vlm_kv.eval.fidelity import fidelity
 
 
@@ -14,6 +15,21 @@ def short_runs(smollm2, shared_data):
     results = fidelity(model, tok, str(shared_data / "text" / "pg84.txt"), context=384, continuation=24,
                        runs=runs, offset=100000)
     return {(r.policy, r.budget): r for r in results}
+
+
+def test_kl_per_block_and_tier_moves_of_a_long_continuation(smollm2, shared_data, monkeypatch):
+    from vlm_kv.eval import fidelity as F
+
+    assert F.KL_BLOCK == 128
+    monkeypatch.setattr(F, "KL_BLOCK", 16)  # 40 fed tokens: blocks of 16, 16 and 8
+    model, tok = smollm2
+    (tiered,) = fidelity(model, tok, str(shared_data / "text" / "pg84.txt"), context=256, continuation=40,
+                         runs=[("qevict", 0.25)], offset=100000, options=CacheOptions(evict_every=8))
+    blocks = tiered.kl_per_block
+    assert len(blocks) == 3 and (16 * blocks[0] + 16 * blocks[1] + 8 * blocks[2]) / 40 == pytest.approx(tiered.kl)
+    moves = tiered.tier_moves
+    assert moves["quantized"] > 0 and moves["demotions"] > 0 and moves["promotions"] >= 0
+    assert set(moves) >= {"quantized", "demotions", "promotions", "evicted_windows"}
 
 
 def test_full_budget_reproduces_the_full_cache(short_runs):
@@ -67,7 +83,9 @@ def test_fidelity_cli_prints_one_json_line(shared_data, capsys, smollm2, monkeyp
     row = json.loads(line)
     assert set(row) == {"policy", "budget", "context", "continuation", "kl", "top1", "nll", "kv_bytes",
                         "full_kv_bytes", "max_kv_bytes", "prefill_chunk", "dtype", "tiers", "int2_share", "int2_value",
-                        "window", "key_rope", "fp_unit", "key_grid", "basis", "held_bytes"}
+                        "window", "key_rope", "fp_unit", "key_grid", "basis", "held_bytes", "kl_per_block",
+                        "tier_moves"}
+    assert row["tier_moves"] is None and len(row["kl_per_block"]) == 1
     assert row["tiers"] is None  # no --tiers: an untiered cache
     assert row["held_bytes"] > row["kv_bytes"]  # keys/values plus their bookkeeping
     assert row["policy"] == "tova" and row["context"] == 128 and row["continuation"] == 8
