@@ -39,6 +39,8 @@ from transformers import DynamicCache
 from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache import report
 from vlm_kv.eval.planted_facts import COLORS, OBJECTS, READ_REPLY, READ_REQUEST, insert_at_depth
+from vlm_kv.policies import policy_spec
+from vlm_kv.reconstruction import kvzip_prefill
 
 __all__ = ["retrieval", "build_trials", "score_answer", "cache_bytes", "RetrievalSettings", "ASK_MODES"]
 
@@ -169,12 +171,17 @@ def _prompt_ids(tokenizer, spec: dict, ask: str = "prompt") -> dict:
 
 
 @torch.no_grad()
-def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int) -> str:
+def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int, reconstruct: bool = False) -> str:
+    """Greedy answer on ``cache``. ``reconstruct`` (policy kvzip): the context (the document turn,
+    or the whole prompt but its last token) is scored by reconstruction and prefilled first."""
     device = next(model.parameters()).device
     kwargs = {cache_kwarg(model): cache}
-    if "context_ids" in inputs:  # ask="later": the document turn is prefilled (and compressed) first
-        model(input_ids=inputs["context_ids"].to(device), use_cache=True, **kwargs)
     input_ids = inputs["input_ids"].to(device)
+    context = inputs.get("context_ids")
+    if reconstruct:
+        kvzip_prefill(model, cache, (context if context is not None else input_ids[:, :-1]).to(device), tokenizer)
+    elif context is not None:  # ask="later": the document turn is prefilled (and compressed) first
+        model(input_ids=context.to(device), use_cache=True, **kwargs)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None)
@@ -183,11 +190,12 @@ def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
 
 
-def _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, label) -> list[dict]:
+def _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, label,
+         reconstruct: bool = False) -> list[dict]:
     out = []
     for spec, enc in tqdm(list(zip(specs, inputs)), desc=label, disable=not progress, leave=False):
         cache = new_cache()
-        answer = _answer(model, tokenizer, enc, cache, max_new_tokens)
+        answer = _answer(model, tokenizer, enc, cache, max_new_tokens, reconstruct)
         held, peak = cache_bytes(cache)
         out.append({"answer": answer, "correct": score_answer(answer, spec["code"]), "kv_bytes": held,
                     "max_kv_bytes": peak})
@@ -231,7 +239,9 @@ def retrieval(
     def new_cache():
         return make_cache(model, policy=policy, budget=budget, **cache_kwargs)
 
-    runs = _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, f"retrieval {policy} @ {budget}")
+    reconstruct = policy != "full" and policy_spec(policy).needs_reconstruction  # kvzip: its scoring pass first
+    runs = _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, f"retrieval {policy} @ {budget}",
+                reconstruct)
 
     if policy == "full":
         full = runs

@@ -10,7 +10,8 @@ from vlm_kv.policies import POLICIES
 
 # text-only model: visual-only policies (fastv, visionzip) are covered with images in tests/policies
 BASELINES = [p for p, spec in POLICIES.items() if not spec.needs_gates and not spec.needs_strategy and not spec.visual_only
-             and spec.default_tiers is None]  # polykv: tests/policies/test_polykv.py; qevict, kivi2: tests/tiers/test_window_router.py
+             and spec.default_tiers is None and not spec.needs_reconstruction]
+# polykv: tests/policies/test_polykv.py; qevict, kivi2: tests/tiers/test_window_router.py; kvzip: tests/test_reconstruction.py
 
 
 

@@ -338,3 +338,11 @@ def test_retrieval_asked_later_prefills_the_document_before_the_question(tiny, t
     assert res["ask"] == "later" and res["kv_bytes"] < res["full_kv_bytes"]
     with pytest.raises(ValueError, match="ask must be one of"):
         RetrievalSettings(96, ask="sometime")
+
+
+def test_retrieval_runs_kvzip_through_its_reconstruction_pass(tiny, text_file):
+    model, tok = tiny
+    for ask in ("prompt", "later"):
+        settings = RetrievalSettings(96, depths=(0.5,), trials=1, max_new_tokens=3, ask=ask)
+        res = retrieval(model, tok, text_file, "kvzip", 0.5, settings)
+        assert res["kv_bytes"] < res["full_kv_bytes"] and res["records"][0]["answer"] is not None

@@ -24,6 +24,7 @@ from vlm_kv.policies.threshold import RetentionThreshold
 from vlm_kv.policies.visionzip import VisionZip
 from vlm_kv.policies.tova import TOVA
 from vlm_kv.policies.kivi import KIVI2Scorer, QuantizeEverything
+from vlm_kv.policies.kvzip import KVzipScorer
 from vlm_kv.policies.qevict import QEvictScorer
 
 
@@ -45,6 +46,9 @@ class PolicySpec:
     tierable: bool = True         # its scores can rank windows for the FP / INT2 / evicted tiers
     default_tiers: dict | None = None  # the policy IS a tiered cache: TierConfig fields it uses
     tier_settings: dict | None = None  # TierConfig fields it gets with tiers="int2" (measured, docs/tiers.md)
+    # scored by a pass over the model before the cache is filled (kvzip: vlm_kv.reconstruction.kvzip_prefill);
+    # a plain forward into such a cache raises
+    needs_reconstruction: bool = False
 
     @property
     def needs_gates(self) -> bool:
@@ -114,6 +118,9 @@ LAYER_POLICIES: dict[str, PolicySpec] = {
                          # the paper's recipe is key_grid="fp16", int2_share=0.7, basis="channel"; with the compact
                          # grid a larger INT2 share wins on four pg84 passages at 0.05 and 0.1 (docs/tiers.md, session 8)
                          default_tiers={"int2_share": 0.9}),
+    "kvzip": PolicySpec(KVzipScorer, GlobalTopK, "most attention an entry gets while the model repeats its context "
+                        "(query-agnostic, KVzip); needs vlm_kv.reconstruction.kvzip_prefill", tierable=False,
+                        needs_reconstruction=True),
     "kivi2": PolicySpec(KIVI2Scorer, QuantizeEverything,
                         "everything but sinks and a recent residual in INT2, nothing evicted (KIVI-2)",
                         default_tiers={"quantize_all": True, "window": 32, "key_grid": "fp16",
