@@ -6,7 +6,7 @@ because it drives the cache's own decode paths; the kernels package below knows 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,10 +26,12 @@ from vlm_kv.kernels.aot import (
     specialize,
     variant_params,
 )
+from vlm_kv.kernels.dispatch import paged_decode_attention
 from vlm_kv.kernels.int2 import INT2_BASES, KEY_GRIDS
 from vlm_kv.kernels.layout import FLOAT_DTYPES
+from vlm_kv.kernels.sources import TritonLaunch
 from vlm_kv.storage.store import VarlenKVStore
-from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows
+from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows, TierShape
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,10 @@ class TierChoice:
 def _int2_tier(cell: Cell, choice: TierChoice, batch: int = 1) -> Any:
     """An ``Int2Tier`` holding 3 windows per row (the config's default window), filled through its own rebuild."""
 
-    w, d, dev = TierConfig().window, cell.shape.head_dim, cell.device
+    config = TierConfig(key_grid=choice.key_grid, basis=choice.basis)
+    w, d, dev = config.window, cell.shape.head_dim, cell.device
     rows, per_row = batch * cell.shape.num_kv_heads, 3
-    tier = Int2Tier(batch, cell.shape.num_kv_heads, d, w, cell.dtype, dev, key_grid=choice.key_grid, basis=choice.basis)
+    tier = Int2Tier(TierShape(batch, cell.shape.num_kv_heads, d, cell.dtype, dev), config)
     n = rows * per_row
     codes = tier.quantize(cell.randn(n, w, d, seed=10), cell.randn(n, w, d, seed=11))
     window_id = torch.arange(per_row, device=dev).repeat(rows)
@@ -110,10 +113,12 @@ def _cache_launches(cell: Cell) -> Iterator[str]:
 
 
 def _api_launches(cell: Cell) -> Iterator[str]:
-    """Run the public kernels API (``paged_decode_attention`` / ``mixed_decode_attention``, used by the bench
-    and by callers of ``vlm_kv.kernels``) at the bench's default block size and window, with the split count
-    the launcher picks on the target for one sequence at a long context (the merge kernel's largest)."""
+    """Run the public kernels API (``paged_decode_attention`` over a paged source, alone and with INT2 windows,
+    as the bench and callers of ``vlm_kv.kernels`` do) on the Triton path at the bench's default block size and
+    window, with the split count the launcher picks on the target for one sequence at a long context (the merge
+    kernel's largest)."""
 
+    # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
     from vlm_kv.kernels import paged_triton as pt
 
     defaults = bench_kernels.parse_args([])
@@ -123,17 +128,15 @@ def _api_launches(cell: Cell) -> Iterator[str]:
     query = cell.randn(1, rows * cell.shape.group, d, seed=30)
     # at LONG_CONTEXT the device bounds the split count, whichever tile the launch takes
     splits = pt.splits_for(rows, LONG_CONTEXT, pt.DECODE_TILE, pt.PROGRAMS_PER_SM * cell.target.multiprocessors)
-    fp_args = [fp[k] for k in ("key_pool", "value_pool", "block_table", "lengths")]
-    int2_args = [int2[k] for k in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero",
-                                   "int2_table", "int2_counts")]
-    pt.paged_decode_attention_triton(query, *fp_args, None, num_splits=splits)
+    launch = TritonLaunch(num_splits=splits)
+    paged_decode_attention(query, [fp], backend="triton", launch=launch)
     yield "api: paged_decode_attention"
-    pt.mixed_decode_attention_triton(query, *fp_args, *int2_args, None, num_splits=splits)
-    yield "api: mixed_decode_attention"
-    holes = torch.ones(int2["key_codes"].shape[:2], dtype=torch.bool, device=cell.device)
+    paged_decode_attention(query, [fp, int2], backend="triton", launch=launch)
+    yield "api: paged_decode_attention, INT2 windows"
+    holes = torch.ones(int2.key_codes.shape[:2], dtype=torch.bool, device=cell.device)
     holes[::2, 0] = False
-    pt.mixed_decode_attention_triton(query, *fp_args, *int2_args, None, num_splits=splits, slot_mask=holes)
-    yield "api: mixed_decode_attention, holes"
+    paged_decode_attention(query, [fp, replace(int2, slot_mask=holes)], backend="triton", launch=launch)
+    yield "api: paged_decode_attention, INT2 windows with holes"
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Attention kernels over the paged KV store and its INT2 tier (see docs/kernels.md).
 
-Decode: ``paged_decode_attention`` (FP pages) and ``mixed_decode_attention`` (FP pages and
-INT2 windows in one softmax), each with a pure PyTorch reference (``*_torch``) and a Triton
-kernel (``*_triton``, imported lazily so CPU installs never need triton). Prefill over a
-compressed cache: ``paged_prefill_attention`` (flash-attn varlen on CUDA, PyTorch otherwise).
+Decode: ``paged_decode_attention(query, sources, ...)``, one softmax over a step's sources given as
+dataclasses (``PagedSource``: FP pages; ``Int2Source``: INT2 windows with their grids, slot mask and
+basis), with a pure PyTorch reference (``paged_decode_attention_torch``) and a Triton kernel
+(``paged_triton``, imported lazily so CPU installs never need triton; ``TritonLaunch`` sets its
+splits, tile and merge). Prefill over a compressed cache: ``paged_prefill_attention`` (flash-attn
+varlen on CUDA, PyTorch otherwise).
 INT2 windows: ``quantize_keys``/``quantize_values`` and their inverses; ``quantize_keys_compact``
 with ``decode_key_grid`` for the compact (8-bit) key grid; ``hadamard_basis`` for windows quantized
 in a Walsh-Hadamard basis.
@@ -30,7 +32,6 @@ if __name__ != "vlm_kv.kernels":
         _spec.loader.exec_module(_module)
 else:
     from vlm_kv.kernels.dispatch import (
-        mixed_decode_attention,
         paged_decode_attention,
         resolve_backend,
         triton_available,
@@ -49,9 +50,9 @@ else:
     )
     from vlm_kv.kernels.paged_torch import (
         mixed_attention_weights_torch,
-        mixed_decode_attention_torch,
         paged_decode_attention_torch,
     )
+    from vlm_kv.kernels.sources import Int2Source, PagedSource, TritonLaunch
     from vlm_kv.kernels.varlen_prefill import (
         flash_attn_available,
         pack_paged_prefill,
@@ -61,8 +62,8 @@ else:
     )
 
     __all__ = [
-        "paged_decode_attention", "paged_decode_attention_torch",
-        "mixed_decode_attention", "mixed_decode_attention_torch", "mixed_attention_weights_torch",
+        "paged_decode_attention", "paged_decode_attention_torch", "mixed_attention_weights_torch",
+        "PagedSource", "Int2Source", "TritonLaunch",
         "resolve_backend", "triton_available",
         "quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values",
         "quantize_keys_compact", "decode_key_grid", "hadamard_basis",

@@ -20,13 +20,16 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from vlm_kv.kernels.dispatch import resolve_backend
 from vlm_kv.kernels.int2 import int2_window_bytes, quantize_keys, quantize_values
-from vlm_kv.kernels.paged_torch import mixed_decode_attention_torch, paged_decode_attention_torch
+from vlm_kv.kernels.paged_torch import paged_decode_attention_torch
+from vlm_kv.kernels.sources import Int2Source, PagedSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,21 +64,21 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
 
 
 def build_store(rows: int, length: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> dict[str, torch.Tensor]:
+                seed: int = 0) -> PagedSource:
     """Every row holds ``length`` entries in blocks scattered through one pool."""
     gen = torch.Generator().manual_seed(seed)
     per_row = -(-length // block_size)
     num_blocks = max(1, rows * per_row)
     table = torch.randperm(num_blocks, generator=gen)[: rows * per_row].view(rows, per_row).to(torch.int32)
-    return {
-        "key_pool": torch.randn(num_blocks, block_size, head_dim, dtype=dtype, device=device),
-        "value_pool": torch.randn(num_blocks, block_size, head_dim, dtype=dtype, device=device),
-        "block_table": table.to(device),
-        "lengths": torch.full((rows,), length, dtype=torch.int32, device=device),
-    }
+    return PagedSource(
+        key_pool=torch.randn(num_blocks, block_size, head_dim, dtype=dtype, device=device),
+        value_pool=torch.randn(num_blocks, block_size, head_dim, dtype=dtype, device=device),
+        block_table=table.to(device),
+        lengths=torch.full((rows,), length, dtype=torch.int32, device=device),
+    )
 
 
-def build_int2(rows: int, windows: int, window: int, head_dim: int, device: torch.device, seed: int = 1) -> dict[str, torch.Tensor]:
+def build_int2(rows: int, windows: int, window: int, head_dim: int, device: torch.device, seed: int = 1) -> Int2Source:
     """Every row holds ``windows`` INT2 windows scattered through one window pool (built on ``device``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     n = max(1, rows * windows)
@@ -83,21 +86,33 @@ def build_int2(rows: int, windows: int, window: int, head_dim: int, device: torc
     vc, vs, vz = quantize_values(torch.randn(n, window, head_dim, generator=gen, device=device))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     table = order[: rows * windows].view(rows, windows).to(torch.int32).to(device)
-    return {"key_codes": kc, "key_scale": ks, "key_zero": kz, "value_codes": vc, "value_scale": vs, "value_zero": vz,
-            "int2_table": table, "int2_counts": torch.full((rows,), windows, dtype=torch.int32, device=device)}
+    return Int2Source(kc, ks, kz, vc, vs, vz, table, torch.full((rows,), windows, dtype=torch.int32, device=device))
 
 
-def available_backends(device: torch.device) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (paged function, mixed function)."""
-    backends = {"torch": (paged_decode_attention_torch, mixed_decode_attention_torch)}
+def available_backends(device: torch.device) -> dict[str, Callable]:
+    """name -> decode function (query, sources, scaling, validate) of each backend that runs on ``device``."""
+    backends: dict[str, Callable] = {"torch": paged_decode_attention_torch}
     if device.type == "cuda":
         try:
-            from vlm_kv.kernels.paged_triton import mixed_decode_attention_triton, paged_decode_attention_triton
-        except Exception as exc:  # no triton: report torch alone, say why
+            resolve_backend("triton", device)
+        except RuntimeError as exc:  # no triton: report torch alone, say why
             print(f"triton backend unavailable: {exc}", file=sys.stderr)
         else:
-            backends["triton"] = (paged_decode_attention_triton, mixed_decode_attention_triton)
+            # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
+            from vlm_kv.kernels.paged_triton import paged_decode_attention_triton
+
+            backends["triton"] = paged_decode_attention_triton
     return backends
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every measurement of a run shares: its options, device, rows and the device's copy bandwidth."""
+
+    args: argparse.Namespace
+    device: torch.device
+    rows: int
+    copy_bw: float
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -111,6 +126,7 @@ def run(args: argparse.Namespace) -> list[dict]:
           f"copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
     results = []
     backends = available_backends(device)
+    setting = Setting(args, device, rows, copy_bw)
     for length in args.lengths:
         query = torch.randn(args.batch, args.kv_heads * args.group, args.head_dim, dtype=dtype, device=device)
         cases = []
@@ -129,26 +145,21 @@ def run(args: argparse.Namespace) -> list[dict]:
         q4 = query[:, :, None, :]
         seconds = time_call(lambda: F.scaled_dot_product_attention(q4, dense_k, dense_v, enable_gqa=args.group > 1),
                             device, args.repeats, with_min=True)
-        results.append(_result("sdpa", "dense", length, rows, args, device, seconds, cases[0][3], copy_bw))
+        results.append(_result("sdpa", "dense", length, setting, seconds, cases[0][3]))
         for kind, fp_store, int2_store, nbytes in cases:
-            fp_args = (query, fp_store["key_pool"], fp_store["value_pool"], fp_store["block_table"], fp_store["lengths"])
-            for name, (paged_fn, mixed_fn) in backends.items():
-                if int2_store is None:
-                    fn = lambda: paged_fn(*fp_args, None, validate=False)  # noqa: E731
-                else:
-                    int2_args = tuple(int2_store[k] for k in ("key_codes", "key_scale", "key_zero", "value_codes",
-                                                              "value_scale", "value_zero", "int2_table", "int2_counts"))
-                    fn = lambda: mixed_fn(*fp_args, *int2_args, None, validate=False)  # noqa: E731
+            sources = [fp_store] if int2_store is None else [fp_store, int2_store]
+            for name, decode in backends.items():
+                fn = lambda: decode(query, sources, None, False)  # noqa: E731
                 seconds = time_call(fn, device, args.repeats, with_min=True)
-                results.append(_result(name, kind, length, rows, args, device, seconds, nbytes, copy_bw))
+                results.append(_result(name, kind, length, setting, seconds, nbytes))
     return results
 
 
-def _result(backend: str, store: str, length: int, rows: int, args: argparse.Namespace, device: torch.device,
-            times: tuple[float, float], nbytes: int, copy_bw: float) -> dict:
+def _result(backend: str, store: str, length: int, setting: Setting, times: tuple[float, float], nbytes: int) -> dict:
     seconds, fastest = times
-    row = {"backend": backend, "store": store, "length": length, "rows": rows, "group": args.group,
-           "head_dim": args.head_dim, "dtype": args.dtype, "device": str(device), "ms": seconds * 1e3,
+    args, copy_bw = setting.args, setting.copy_bw
+    row = {"backend": backend, "store": store, "length": length, "rows": setting.rows, "group": args.group,
+           "head_dim": args.head_dim, "dtype": args.dtype, "device": str(setting.device), "ms": seconds * 1e3,
            "ms_min": fastest * 1e3,
            "kv_bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9, "copy_fraction": nbytes / seconds / copy_bw}
     print(f"{store:>9} {backend:>6} L={length:>6}: {seconds * 1e3:8.3f} ms (min {fastest * 1e3:8.3f})  "

@@ -1,5 +1,9 @@
 """One entry point per attention kind, choosing a backend by device and availability.
 
+Decode: ``paged_decode_attention(query, sources, ...)`` over ``vlm_kv.kernels.sources`` dataclasses,
+with the PyTorch reference (``paged_torch``) or the Triton kernels (``paged_triton``) behind it; the
+runtime (``vlm_kv.attention.backend``) calls it too. Prefill: ``varlen_prefill.paged_prefill_attention``.
+
 ``backend="auto"`` picks Triton for CUDA tensors when triton imports, PyTorch otherwise (CPU
 tensors always get PyTorch under "auto": the Triton interpreter is a test tool, not a fast
 path). Asking for a backend that cannot run raises instead of silently running another one.
@@ -8,15 +12,14 @@ path). Asking for a backend that cannot run raises instead of silently running a
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Literal
 
 import torch
 
-from vlm_kv.kernels.paged_torch import (
-    mixed_decode_attention_torch,
-    paged_decode_attention_torch,
-)
+from vlm_kv.kernels.paged_torch import paged_decode_attention_torch
+from vlm_kv.kernels.sources import Source, TritonLaunch
 
 Backend = Literal["auto", "torch", "triton"]
 _BACKENDS = ("auto", "torch", "triton")
@@ -65,49 +68,25 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def paged_decode_attention(
     query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float | None,
+    sources: Sequence[Source],
+    *,
+    scaling: float | None = None,
     backend: str = "auto",
     validate: bool = True,
+    launch: TritonLaunch | None = None,
 ) -> torch.Tensor:
-    """Decode attention over the paged FP store with the chosen backend; returns [B, Hq, D]."""
+    """Decode attention of ``query`` [B, Hq, D] over a step's ``sources`` in one softmax, with the
+    chosen backend; returns [B, Hq, D] in the query dtype.
+
+    ``sources``: ``PagedSource`` (FP pages) and ``Int2Source`` (INT2 windows, with their slot mask
+    and basis) of the same rows, in the order their entries are laid out. ``scaling`` None:
+    ``head_dim ** -0.5``. ``validate`` also reads the tables (a host sync on CUDA); a store that
+    keeps its own invariants passes False. ``launch``: the Triton path's splits, tile and merge
+    (``TritonLaunch``), ignored by the PyTorch reference.
+    """
     if resolve_backend(backend, query.device) == "triton":
         # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
         from vlm_kv.kernels.paged_triton import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(query, key_pool, value_pool, block_table, lengths, scaling, validate)
-    return paged_decode_attention_torch(query, key_pool, value_pool, block_table, lengths, scaling, validate)
-
-
-def mixed_decode_attention(
-    query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    key_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    key_zero: torch.Tensor,
-    value_codes: torch.Tensor,
-    value_scale: torch.Tensor,
-    value_zero: torch.Tensor,
-    int2_table: torch.Tensor,
-    int2_counts: torch.Tensor,
-    scaling: float | None,
-    backend: str = "auto",
-    validate: bool = True,
-    slot_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One softmax over FP pages and INT2 windows with the chosen backend; returns [B, Hq, D].
-    ``slot_mask`` [num_windows, w] bool: the attended slots of windows with holes (None: all)."""
-    args = (query, key_pool, value_pool, block_table, lengths, key_codes, key_scale, key_zero,
-            value_codes, value_scale, value_zero, int2_table, int2_counts, scaling)
-    if resolve_backend(backend, query.device) == "triton":
-        # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
-        from vlm_kv.kernels.paged_triton import mixed_decode_attention_triton
-
-        return mixed_decode_attention_triton(*args, validate=validate, slot_mask=slot_mask)
-    return mixed_decode_attention_torch(*args, validate=validate, slot_mask=slot_mask)
+        return paged_decode_attention_triton(query, sources, scaling, validate, launch)
+    return paged_decode_attention_torch(query, sources, scaling, validate)

@@ -1,17 +1,17 @@
 """Checks of the paged FP store and the INT2 window pools that every kernel reads.
 
-All decode backends read one decoder layer's cache in the layout below (see docs/kernels.md);
-they call these checks first so that a malformed store raises a clear error instead of reading
-somebody else's entries.
+All decode backends read one decoder layer's cache in the layout below (see docs/kernels.md),
+handed over as ``vlm_kv.kernels.sources`` dataclasses; they call these checks first so that a
+malformed store raises a clear error instead of reading somebody else's entries.
 
-Paged FP tier, rows = batch * num_kv_heads, row ``r = b * H + h``:
+Paged FP tier (``PagedSource``), rows = batch * num_kv_heads, row ``r = b * H + h``:
 
 * ``key_pool``, ``value_pool``: [num_blocks, block_size, head_dim], model dtype;
 * ``block_table``: [rows, max_blocks] int32, row r's j-th block is ``block_table[r, j]``;
 * ``lengths``: [rows] int32, entry i of row r is slot ``i % block_size`` of block
   ``block_table[r, i // block_size]``.
 
-INT2 tier (windows of ``w`` consecutive entries of one row, quantized once):
+INT2 tier (``Int2Source``, windows of ``w`` consecutive entries of one row, quantized once):
 
 * ``key_codes``, ``value_codes``: [num_windows, w, head_dim // 4] uint8, four 2-bit codes per
   byte along head_dim (channel ``d`` in bits ``2 * (d % 4)`` and ``2 * (d % 4) + 1`` of byte
@@ -19,7 +19,9 @@ INT2 tier (windows of ``w`` consecutive entries of one row, quantized once):
 * ``key_scale``, ``key_zero``: [num_windows, head_dim] float16 (keys: per channel over the window),
   or float32 when decoded from a compact grid (``vlm_kv.kernels.int2.decode_key_grid``);
 * ``value_scale``, ``value_zero``: [num_windows, w] float16 (values: per token over head_dim);
-* ``int2_table``: [rows, max_windows] int32, ``int2_counts``: [rows] int32 windows held per row.
+* ``table``: [rows, max_windows] int32, ``counts``: [rows] int32 windows held per row;
+* optional ``slot_mask`` [num_windows, w] bool and ``key_basis`` / ``value_basis`` [head_dim, head_dim]
+  float32.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vlm_kv.kernels.sources import Int2Source, LaunchGroup, PagedSource
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,17 +49,11 @@ class PagedShape:
     max_blocks: int
 
 
-def check_paged_store(
-    query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    validate_values: bool = True,
-) -> PagedShape:
-    """Check shapes, dtypes and devices of a decode call; with ``validate_values`` also that every
-    length fits its row's blocks and every used block index is inside the pool (reads the
-    tensors: a host sync on CUDA)."""
+def check_paged_store(query: torch.Tensor, fp: PagedSource, validate_values: bool = True) -> PagedShape:
+    """Check shapes, dtypes and devices of a decode call over ``fp``; with ``validate_values`` also
+    that every length fits its row's blocks and every used block index is inside the pool (reads
+    the tensors: a host sync on CUDA)."""
+    key_pool, value_pool, block_table, lengths = fp.key_pool, fp.value_pool, fp.block_table, fp.lengths
     if query.dim() != 3:
         raise ValueError(f"query must be [batch, query_heads, head_dim], got shape {tuple(query.shape)}")
     if query.dtype not in FLOAT_DTYPES:
@@ -122,24 +120,13 @@ def _check_table_values(table: torch.Tensor, counts: torch.Tensor, per_slot: int
 _KEY_GRID_DTYPES = (torch.float16, torch.float32)
 
 
-def check_int2_store(
-    shape: PagedShape,
-    device: torch.device,
-    key_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    key_zero: torch.Tensor,
-    value_codes: torch.Tensor,
-    value_scale: torch.Tensor,
-    value_zero: torch.Tensor,
-    int2_table: torch.Tensor,
-    int2_counts: torch.Tensor,
-    validate_values: bool = True,
-    slot_mask: torch.Tensor | None = None,
-) -> int:
+def check_int2_store(shape: PagedShape, device: torch.device, int2: Int2Source, validate_values: bool = True) -> int:
     """Check the INT2 window pools against the paged store's shape; returns the window size w.
 
-    ``slot_mask`` (optional, [num_windows, w] bool): which slots of each window are attended
+    ``int2.slot_mask`` (optional, [num_windows, w] bool): which slots of each window are attended
     (windows with holes, where an entry lives in full precision or is gone); None: every slot."""
+    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero = int2.pools()
+    table, counts, slot_mask = int2.table, int2.counts, int2.slot_mask
     d = shape.head_dim
     if d % 4:
         raise ValueError(f"INT2 packs four channels per byte: head_dim {d} must be a multiple of 4")
@@ -164,23 +151,42 @@ def check_int2_store(
             raise ValueError(f"{name} must be {want} {kinds}, got {tuple(t.shape)} {t.dtype}")
     if key_scale.dtype != key_zero.dtype:
         raise ValueError(f"key_scale and key_zero must share a dtype, got {key_scale.dtype} and {key_zero.dtype}")
-    if int2_table.dim() != 2 or int2_table.dtype != torch.int32 or int2_table.shape[0] != shape.rows:
-        raise ValueError(f"int2_table must be [{shape.rows}, max_windows] int32, "
-                         f"got {tuple(int2_table.shape)} {int2_table.dtype}")
-    if int2_counts.shape != (shape.rows,) or int2_counts.dtype != torch.int32:
-        raise ValueError(f"int2_counts must be [{shape.rows}] int32, got {tuple(int2_counts.shape)} {int2_counts.dtype}")
+    if table.dim() != 2 or table.dtype != torch.int32 or table.shape[0] != shape.rows:
+        raise ValueError(f"Int2Source.table must be [{shape.rows}, max_windows] int32, "
+                         f"got {tuple(table.shape)} {table.dtype}")
+    if counts.shape != (shape.rows,) or counts.dtype != torch.int32:
+        raise ValueError(f"Int2Source.counts must be [{shape.rows}] int32, got {tuple(counts.shape)} {counts.dtype}")
     tensors = (("key_codes", key_codes), ("key_scale", key_scale), ("key_zero", key_zero),
                ("value_codes", value_codes), ("value_scale", value_scale), ("value_zero", value_zero),
-               ("int2_table", int2_table), ("int2_counts", int2_counts))
+               ("table", table), ("counts", counts))
     if slot_mask is not None:
         if tuple(slot_mask.shape) != (n, w) or slot_mask.dtype != torch.bool:
             raise ValueError(f"slot_mask must be [{n}, {w}] bool, got {tuple(slot_mask.shape)} {slot_mask.dtype}")
         tensors = tensors + (("slot_mask", slot_mask),)
+    for name, basis in (("key_basis", int2.key_basis), ("value_basis", int2.value_basis)):
+        if basis is not None:
+            if tuple(basis.shape) != (d, d) or basis.dtype != torch.float32 or basis.device != device:
+                raise ValueError(f"{name} must be [{d}, {d}] float32 on {device}, "
+                                 f"got {tuple(basis.shape)} {basis.dtype} on {basis.device}")
     for name, t in tensors:
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, query on {device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if validate_values:
-        _check_table_values(int2_table, int2_counts, 1, n, "int2_table", "int2_counts", "windows")
+        _check_table_values(table, counts, 1, n, "Int2Source.table", "Int2Source.counts", "windows")
     return w
+
+
+def check_launches(query: torch.Tensor, groups: list[LaunchGroup], validate_values: bool = True) -> list[PagedShape]:
+    """Check every launch of a decode step (``sources.launch_plan``): each paged source against the
+    query, its INT2 windows against it, and all of them over the same rows; the shape of each."""
+    shapes = []
+    for group in groups:
+        shape = check_paged_store(query, group.fp, validate_values)
+        if group.int2 is not None:
+            check_int2_store(shape, query.device, group.int2, validate_values)
+        if shapes and shape.rows != shapes[0].rows:
+            raise ValueError(f"the sources of one decode step must share their rows: {shapes[0].rows} and {shape.rows}")
+        shapes.append(shape)
+    return shapes

@@ -9,20 +9,23 @@ heads of the group (padded to 16 rows for ``tl.dot``). A second small kernel mer
 and writes the output in the query dtype. Splits let a few long rows (batch 1, 3 kv heads)
 still fill a GPU.
 
-Same signature and result as ``paged_torch``; under ``TRITON_INTERPRET=1`` it runs on CPU
+Same sources and result as ``paged_torch``; under ``TRITON_INTERPRET=1`` it runs on CPU
 tensors (slowly), which is how the tests check it without a GPU.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from vlm_kv.kernels.layout import PagedShape, check_int2_store, check_paged_store
+from vlm_kv.kernels.layout import PagedShape, check_launches
+from vlm_kv.kernels.sources import Int2Source, LaunchGroup, Source, TritonLaunch, launch_plan
 
 LOG2E = 1.4426950408889634
 # Tiles (kv entries per loop step) and warps, as compiled ahead of time for sm_80 and sm_90
@@ -186,19 +189,32 @@ def _choose_splits(rows: int, capacity: int, tile: int, device: torch.device) ->
     return splits_for(rows, capacity, tile, programs)
 
 
-def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
-              block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
-              scaling: float | None, num_splits: int | None, tile: int | None):
-    """Run the split kernel; returns each (row, split)'s (unnormalised values, base-2 max, sum).
-    ``tile`` None: ``decode_tile`` of the launch."""
+def _placeholder_windows(int2: Int2Source, head_dim: int) -> Int2Source:
+    """An empty window pool (nothing quantized yet) has no valid pointer to hand to the kernel: one
+    zero window stands in; every count is then 0 and it is never read."""
+    w = int2.window
+    return replace(int2, key_codes=int2.key_codes.new_zeros(1, w, head_dim // 4),
+                   key_scale=int2.key_scale.new_zeros(1, head_dim), key_zero=int2.key_zero.new_zeros(1, head_dim),
+                   value_codes=int2.value_codes.new_zeros(1, w, head_dim // 4),
+                   value_scale=int2.value_scale.new_zeros(1, w), value_zero=int2.value_zero.new_zeros(1, w),
+                   slot_mask=None if int2.slot_mask is None else int2.key_codes.new_zeros(1, w, dtype=torch.bool))
+
+
+def _partials(query: torch.Tensor, shape: PagedShape, group: LaunchGroup, scaling: float | None,
+              launch: TritonLaunch):
+    """Run the split kernel over one launch group; returns each (row, split)'s (unnormalised values,
+    base-2 max, sum). ``launch.tile`` None: ``decode_tile`` of the launch."""
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the Triton decode kernel needs CUDA tensors (got {query.device}); on CPU set TRITON_INTERPRET=1 "
             "before importing vlm_kv.kernels.paged_triton, or use backend='torch'"
         )
+    fp, int2 = group.fp, group.int2
+    key_pool, value_pool, block_table, lengths = fp.key_pool, fp.value_pool, fp.block_table, fp.lengths
     # 16-bit q and k are exact in tf32 (>= 10 mantissa bits), so tensor cores lose nothing on the
     # logits there; fp32 stores keep full precision.
     precision = "ieee" if torch.float32 in (query.dtype, key_pool.dtype) else "tf32"
+    tile = launch.tile
     if tile is None:
         tile = decode_tile(int2 is not None, precision)
     if tile < 16 or tile & (tile - 1):
@@ -209,23 +225,21 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
     # kernel; every length/count is then 0 and the placeholder is never read.
     if key_pool.numel() == 0:
         key_pool = value_pool = key_pool.new_zeros(1, shape.block_size, d)
-    if int2 is not None and int2[0].numel() == 0:
-        w = int2[0].shape[1]
-        int2 = (int2[0].new_zeros(1, w, d // 4), int2[1].new_zeros(1, d), int2[2].new_zeros(1, d),
-                int2[3].new_zeros(1, w, d // 4), int2[4].new_zeros(1, w), int2[5].new_zeros(1, w),
-                int2[6], int2[7]) + ((int2[0].new_zeros(1, w, dtype=torch.bool),) if len(int2) > 8 else ())
+    if int2 is not None and int2.key_codes.numel() == 0:
+        int2 = _placeholder_windows(int2, d)
     fp_capacity = shape.max_blocks * shape.block_size
     holes = None
     if int2 is not None:
-        kc, ks, kz, vc, vs, vz, wtable, wcount = int2[:8]
+        kc, ks, kz, vc, vs, vz = int2.pools()
+        wtable, wcount = int2.table, int2.counts
         # bool and uint8 share one byte per element: a view, not a copy, on every decode step
-        holes = int2[8].view(torch.uint8) if len(int2) > 8 and int2[8] is not None else None
+        holes = int2.slot_mask.view(torch.uint8) if int2.slot_mask is not None else None
         w = kc.shape[1]
         int2_capacity = wtable.shape[1] * w
     else:
         kc = ks = kz = vc = vs = vz = wtable = wcount = lengths  # never read: HAS_INT2 is False
         w, int2_capacity = 1, 0
-    splits = num_splits or _choose_splits(rows, max(fp_capacity, int2_capacity), tile, query.device)
+    splits = launch.num_splits or _choose_splits(rows, max(fp_capacity, int2_capacity), tile, query.device)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     # Each split takes a whole number of tiles of each tier, so tiles never straddle splits.
@@ -247,10 +261,10 @@ def _partials(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, va
     return acc, m, l
 
 
-def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, value_pool: torch.Tensor,
-            block_table: torch.Tensor, lengths: torch.Tensor, int2: tuple[torch.Tensor, ...] | None,
-            scaling: float | None, num_splits: int | None, tile: int | None) -> torch.Tensor:
-    acc, m, l = _partials(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
+def _merged_in_kernel(query: torch.Tensor, shape: PagedShape, group: LaunchGroup, scaling: float | None,
+                      launch: TritonLaunch) -> torch.Tensor:
+    """One launch, its splits combined by the merge kernel; [B, Hq, D] in the query dtype."""
+    acc, m, l = _partials(query, shape, group, scaling, launch)
     rows, splits, g, d = acc.shape
     out = torch.empty(rows, g, d, dtype=query.dtype, device=query.device)
     _merge_kernel[(rows,)](acc, m, l, out, splits, G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d),
@@ -258,46 +272,46 @@ def _launch(query: torch.Tensor, shape: PagedShape, key_pool: torch.Tensor, valu
     return out.view(shape.batch, shape.num_query_heads, d)
 
 
-def paged_decode_sources_triton(
+def _group_partials(query: torch.Tensor, shape: PagedShape, group: LaunchGroup, scaling: float | None,
+                    launch: TritonLaunch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A launch's partials in the channel basis: windows quantized in a rotated basis (keys
+    ``k @ Rk``, values ``v @ Rv``) are read with the query ``q @ Rk`` (float32), since
+    ``q . k = (q Rk) . (k Rk)``, and their partial values are rotated back by ``Rv.T``; the softmax
+    max and sum do not depend on the value basis."""
+    int2 = group.int2
+    key_basis = int2.key_basis if int2 is not None else None
+    value_basis = int2.value_basis if int2 is not None else None
+    q = query if key_basis is None else query.float() @ key_basis
+    acc, m, l = _partials(q, shape, group, scaling, launch)
+    if value_basis is not None:
+        acc = acc @ value_basis.T
+    return acc, m, l
+
+
+def paged_decode_attention_triton(
     query: torch.Tensor,
-    sources: list[tuple],
-    scaling: float | None,
-    validate: bool = False,
-    tile: int | None = None,
-    bases: list[tuple[torch.Tensor | None, torch.Tensor | None] | None] | None = None,
+    sources: Sequence[Source],
+    scaling: float | None = None,
+    validate: bool = True,
+    launch: TritonLaunch | None = None,
 ) -> torch.Tensor:
-    """Decode attention over several paged sources of one layer in ONE softmax.
+    """Decode attention of ``query`` [B, Hq, D] over ``sources`` in ONE softmax; [B, Hq, D] in the query dtype.
 
-    Each source is (key_pool, value_pool, block_table, lengths) in the paged layout, e.g. a
-    cache's compacted body and its dense tail of recent tokens, optionally followed by an INT2
-    tuple (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, int2_table,
-    int2_counts[, slot_mask]) read by the same kernel call. Every source is walked by the split kernel; the
-    partial (max, sum, values) of all sources are merged in float32. Returns [B, Hq, D] in the
-    query dtype.
-
-    ``bases[i]`` (None, or a pair (Rk, Rv) of orthonormal [D, D] float32 matrices, each possibly
-    None): source i stores keys as ``k @ Rk`` and values as ``v @ Rv`` (INT2 windows quantized in a
-    rotated basis). It is attended with the query ``q @ Rk`` (float32), since
-    ``q . k = (q Rk) . (k Rk)``, and its partial values are rotated back by ``Rv.T`` before the
-    merge; the softmax max and sum do not depend on the value basis.
-
-    ``tile``: kv entries per loop step; None lets the launcher choose (``decode_tile``: the tiles that
-    compile without spills).
+    The sources are read in launches (``sources.launch_plan``): each paged source, with the INT2
+    windows in the channel basis that follow it, in one walk of the split kernel; INT2 windows in
+    a rotated basis in a launch of their own, with the rotated query. A step read by one launch in
+    the channel basis has its splits combined by the merge kernel (``launch.merge="kernel"``);
+    otherwise the partial (max, sum, values) of every launch are merged in float32 PyTorch ops.
+    ``launch``: splits, tile and merge (``TritonLaunch``; None: the defaults).
     """
-    if bases is not None and len(bases) != len(sources):
-        raise ValueError(f"bases: one entry (a (key, value) basis pair or None) per source, got {len(bases)} for {len(sources)} sources")
+    launch = launch or TritonLaunch()
+    groups = launch_plan(query, sources)
+    shapes = check_launches(query, groups, validate)
+    if len(groups) == 1 and launch.merge == "kernel" and not (groups[0].int2 is not None and groups[0].int2.rotated):
+        return _merged_in_kernel(query, shapes[0], groups[0], scaling, launch)
     accs, ms, ls = [], [], []
-    for i, source in enumerate(sources):
-        key_basis, value_basis = (bases[i] if bases is not None else None) or (None, None)
-        key_pool, value_pool, block_table, lengths = source[:4]
-        int2 = source[4] if len(source) > 4 else None
-        shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
-        if int2 is not None:
-            check_int2_store(shape, query.device, *int2[:8], validate, int2[8] if len(int2) > 8 else None)
-        q = query if key_basis is None else query.float() @ key_basis
-        acc, m, l = _partials(q, shape, key_pool, value_pool, block_table, lengths, int2, scaling, None, tile)
-        if value_basis is not None:
-            acc = acc @ value_basis.T
+    for group, shape in zip(groups, shapes):
+        acc, m, l = _group_partials(query, shape, group, scaling, launch)
         accs.append(acc), ms.append(m), ls.append(l)
     acc, m, l = torch.cat(accs, dim=1), torch.cat(ms, dim=1), torch.cat(ls, dim=1)
     top = m.max(dim=1, keepdim=True).values
@@ -310,53 +324,5 @@ def paged_decode_sources_triton(
     return out.to(query.dtype).view(b, hq, d)
 
 
-def paged_decode_attention_triton(
-    query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float | None,
-    validate: bool = True,
-    num_splits: int | None = None,
-    tile: int | None = None,
-) -> torch.Tensor:
-    """Decode attention of ``query`` [B, Hq, D] over the paged FP store; returns [B, Hq, D]."""
-    shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
-    return _launch(query, shape, key_pool, value_pool, block_table, lengths, None, scaling, num_splits, tile)
-
-
-def mixed_decode_attention_triton(
-    query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    key_codes: torch.Tensor,
-    key_scale: torch.Tensor,
-    key_zero: torch.Tensor,
-    value_codes: torch.Tensor,
-    value_scale: torch.Tensor,
-    value_zero: torch.Tensor,
-    int2_table: torch.Tensor,
-    int2_counts: torch.Tensor,
-    scaling: float | None,
-    validate: bool = True,
-    num_splits: int | None = None,
-    tile: int | None = None,
-    slot_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One softmax over each row's FP entries and its packed INT2 windows; returns [B, Hq, D].
-    ``slot_mask`` [num_windows, w] bool: the attended slots of windows with holes (None: all)."""
-    shape = check_paged_store(query, key_pool, value_pool, block_table, lengths, validate)
-    check_int2_store(shape, query.device, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-                     int2_table, int2_counts, validate, slot_mask)
-    int2 = (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, int2_table, int2_counts)
-    if slot_mask is not None:
-        int2 = int2 + (slot_mask,)
-    return _launch(query, shape, key_pool, value_pool, block_table, lengths, int2, scaling, num_splits, tile)
-
-
-__all__ = ["paged_decode_attention_triton", "mixed_decode_attention_triton", "paged_decode_sources_triton", "splits_for",
-           "decode_tile", "INTERPRETED", "DECODE_TILE", "DECODE_SMALL_TILE", "DECODE_NUM_WARPS",
-           "MERGE_NUM_WARPS", "PROGRAMS_PER_SM"]
+__all__ = ["paged_decode_attention_triton", "splits_for", "decode_tile", "INTERPRETED", "DECODE_TILE",
+           "DECODE_SMALL_TILE", "DECODE_NUM_WARPS", "MERGE_NUM_WARPS", "PROGRAMS_PER_SM"]

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from vlm_kv.kernels.int2 import dequantize_keys, dequantize_values
-from vlm_kv.kernels.layout import check_int2_store, check_paged_store
+from vlm_kv.kernels.layout import PagedShape, check_int2_store, check_paged_store
 from vlm_kv.kernels.paged_torch import gather_int2_rows, gather_paged_rows
+from vlm_kv.kernels.sources import Int2Source, PagedSource
 
 
 @dataclass
@@ -44,11 +45,11 @@ class VarlenPack:
     max_seqlen_k: int
 
 
-def _check_prefill(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.Tensor,
-                   lengths: torch.Tensor, causal: bool, validate: bool):
+def _check_prefill(query: torch.Tensor, fp: PagedSource, causal: bool, validate: bool) -> tuple[PagedShape, int]:
     if query.dim() != 4:
         raise ValueError(f"prefill query must be [batch, query_heads, q_len, head_dim], got {tuple(query.shape)}")
-    shape = check_paged_store(query[:, :, 0], key_pool, value_pool, block_table, lengths, validate)
+    shape = check_paged_store(query[:, :, 0], fp, validate)
+    lengths = fp.lengths
     q_len = query.shape[2]
     if causal and validate and lengths.numel() and int(lengths.min()) < q_len:
         raise ValueError(
@@ -69,19 +70,19 @@ def paged_entry_index(block_table: torch.Tensor, lengths: torch.Tensor, block_si
     return blocks * block_size + within % block_size
 
 
-def _check_int2(shape, query: torch.Tensor, int2: tuple[torch.Tensor, ...] | None, validate: bool) -> int:
+def _check_int2(shape: PagedShape, query: torch.Tensor, int2: Int2Source | None, validate: bool) -> int:
     if int2 is None:
         return 0
-    if len(int2) != 8:
-        raise ValueError("int2 must be (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, "
-                         f"int2_table, int2_counts), got {len(int2)} tensors")
-    return check_int2_store(shape, query.device, *int2, validate_values=validate)
+    if int2.slot_mask is not None or int2.rotated:
+        raise ValueError("prefill reads whole INT2 windows in the channel basis: no slot_mask, key_basis or value_basis")
+    return check_int2_store(shape, query.device, int2, validate)
 
 
-def _int2_rows_packed(int2: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _int2_rows_packed(int2: Int2Source, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every held window dequantized, rows end to end: (keys, values [n * w, D], row of each token,
     index of each token within its row)."""
-    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, table, counts = int2
+    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero = int2.pools()
+    table, counts = int2.table, int2.counts
     rows, w = table.shape[0], key_codes.shape[1]
     per_row = counts.long()
     win_row = torch.repeat_interleave(torch.arange(rows, device=table.device), per_row)
@@ -99,22 +100,20 @@ def _int2_rows_packed(int2: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tup
 
 def pack_paged_prefill(
     query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
+    fp: PagedSource,
+    int2: Int2Source | None = None,
     causal: bool = True,
     validate: bool = True,
-    int2: tuple[torch.Tensor, ...] | None = None,
 ) -> VarlenPack:
-    """Packed q/k/v and cu_seqlens for prefill queries [B, Hq, Q, D] over the paged store.
+    """Packed q/k/v and cu_seqlens for prefill queries [B, Hq, Q, D] over the paged store ``fp``.
 
-    With ``int2`` (the eight INT2 tensors, as for ``mixed_decode_attention``) each row's sequence
-    is its dequantized INT2 windows (in table order, in the query dtype) followed by its FP
-    entries: the windows are history, so bottom-right causal masking lets every query see them.
+    With ``int2`` (whole windows in the channel basis) each row's sequence is its dequantized INT2
+    windows (in table order, in the query dtype) followed by its FP entries: the windows are
+    history, so bottom-right causal masking lets every query see them.
     """
-    shape, q_len = _check_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate)
+    shape, q_len = _check_prefill(query, fp, causal, validate)
     w = _check_int2(shape, query, int2, validate)
+    key_pool, value_pool, block_table, lengths = fp.key_pool, fp.value_pool, fp.block_table, fp.lengths
     rows, g, d = shape.rows, shape.group, shape.head_dim
     dev = query.device
     packed_q = query.reshape(shape.batch, shape.num_kv_heads, g, q_len, d).permute(0, 1, 3, 2, 4)
@@ -122,7 +121,7 @@ def pack_paged_prefill(
     index = paged_entry_index(block_table, lengths, shape.block_size)
     fp_key = key_pool.view(-1, d).index_select(0, index)
     fp_value = value_pool.view(-1, d).index_select(0, index)
-    int2_tokens = int2[7].long() * w if int2 is not None else torch.zeros(rows, dtype=torch.long, device=dev)
+    int2_tokens = int2.counts.long() * w if int2 is not None else torch.zeros(rows, dtype=torch.long, device=dev)
     per_row = lengths.long() + int2_tokens
     cu_k = torch.zeros(rows + 1, device=dev, dtype=torch.int32)
     cu_k[1:] = torch.cumsum(per_row, 0).to(torch.int32)
@@ -191,14 +190,12 @@ def varlen_attention_reference(
 
 def paged_prefill_attention_torch(
     query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float | None,
+    fp: PagedSource,
+    int2: Int2Source | None = None,
+    *,
+    scaling: float | None = None,
     causal: bool = True,
     validate: bool = True,
-    int2: tuple[torch.Tensor, ...] | None = None,
     chunk: int = 256,
 ) -> torch.Tensor:
     """Prefill queries [B, Hq, Q, D] over the paged store (and INT2 windows) in PyTorch; returns [B, Hq, Q, D].
@@ -206,15 +203,16 @@ def paged_prefill_attention_torch(
     Same masking as the flash path: FP entries bottom-right causal per row, INT2 windows (history)
     visible to every query. Chunked over queries so memory stays O(chunk * longest row).
     """
-    shape, q_len = _check_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate)
+    shape, q_len = _check_prefill(query, fp, causal, validate)
     _check_int2(shape, query, int2, validate)
+    lengths = fp.lengths
     rows, g, d = shape.rows, shape.group, shape.head_dim
     scale = scaling if scaling is not None else d ** -0.5
-    keys, values, valid = gather_paged_rows(key_pool, value_pool, block_table, lengths)
+    keys, values, valid = gather_paged_rows(fp)
     keys, values = keys.float(), values.float()
     fp_cols = keys.shape[1]
     if int2 is not None:
-        q_keys, q_values, q_valid = gather_int2_rows(*int2)
+        q_keys, q_values, q_valid = gather_int2_rows(int2)
         keys, values = torch.cat([keys, q_keys], dim=1), torch.cat([values, q_values], dim=1)
         valid = torch.cat([valid, q_valid], dim=1)
     keys_t = keys.transpose(1, 2)
@@ -248,14 +246,12 @@ def flash_attn_available() -> bool:
 
 def paged_prefill_attention_flash(
     query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float | None,
+    fp: PagedSource,
+    int2: Int2Source | None = None,
+    *,
+    scaling: float | None = None,
     causal: bool = True,
     validate: bool = True,
-    int2: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Prefill queries [B, Hq, Q, D] over the paged store (and INT2 windows, dequantized into the
     packed keys) with flash_attn_varlen_func (CUDA, fp16/bf16)."""
@@ -264,9 +260,9 @@ def paged_prefill_attention_flash(
         raise RuntimeError("flash-attn is not importable; install flash-attn or use backend='torch'")
     if query.device.type != "cuda":
         raise RuntimeError(f"flash-attn needs CUDA tensors, got {query.device}")
-    if query.dtype not in (torch.float16, torch.bfloat16) or key_pool.dtype != query.dtype:
-        raise ValueError(f"flash-attn needs fp16/bf16 query and pools of the same dtype, got {query.dtype}/{key_pool.dtype}")
-    pack = pack_paged_prefill(query, key_pool, value_pool, block_table, lengths, causal, validate, int2)
+    if query.dtype not in (torch.float16, torch.bfloat16) or fp.key_pool.dtype != query.dtype:
+        raise ValueError(f"flash-attn needs fp16/bf16 query and pools of the same dtype, got {query.dtype}/{fp.key_pool.dtype}")
+    pack = pack_paged_prefill(query, fp, int2, causal, validate)
     out = fn(
         pack.query, pack.key, pack.value,
         cu_seqlens_q=pack.cu_seqlens_q, cu_seqlens_k=pack.cu_seqlens_k,
@@ -274,7 +270,7 @@ def paged_prefill_attention_flash(
         dropout_p=0.0, softmax_scale=scaling, causal=causal,
     )
     result = unpack_prefill_output(out, query.shape[0], query.shape[1], query.shape[2])
-    held = lengths if int2 is None else lengths + int2[7]
+    held = fp.lengths if int2 is None else fp.lengths + int2.counts
     empty = (held == 0).view(query.shape[0], -1)  # [B, H]: no keys, flash's output is undefined
     g = query.shape[1] // empty.shape[1]
     return result.masked_fill(empty.repeat_interleave(g, dim=1)[:, :, None, None], 0)
@@ -282,20 +278,19 @@ def paged_prefill_attention_flash(
 
 def paged_prefill_attention(
     query: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float | None,
+    fp: PagedSource,
+    int2: Int2Source | None = None,
+    *,
+    scaling: float | None = None,
     causal: bool = True,
     backend: str = "auto",
     validate: bool = True,
-    int2: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """Prefill attention with backend "auto" (flash on CUDA fp16/bf16 when importable), "torch" or "flash".
+    """Prefill attention of ``query`` [B, Hq, Q, D] over ``fp`` with backend "auto" (flash on CUDA
+    fp16/bf16 when importable), "torch" or "flash"; returns [B, Hq, Q, D].
 
-    ``int2``: optional (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-    int2_table, int2_counts); the INT2 windows are history, visible to every query."""
+    ``int2``: optional whole windows in the channel basis (no slot mask, no basis); the INT2
+    windows are history, visible to every query."""
     if backend not in ("auto", "torch", "flash"):
         raise ValueError(f"unknown prefill backend {backend!r}; choose 'auto', 'torch' or 'flash'")
     use_flash = backend == "flash" or (
@@ -303,7 +298,5 @@ def paged_prefill_attention(
         and flash_attn_available()
     )
     if use_flash:
-        return paged_prefill_attention_flash(query, key_pool, value_pool, block_table, lengths, scaling, causal,
-                                             validate, int2)
-    return paged_prefill_attention_torch(query, key_pool, value_pool, block_table, lengths, scaling, causal,
-                                         validate, int2)
+        return paged_prefill_attention_flash(query, fp, int2, scaling=scaling, causal=causal, validate=validate)
+    return paged_prefill_attention_torch(query, fp, int2, scaling=scaling, causal=causal, validate=validate)

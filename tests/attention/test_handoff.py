@@ -6,7 +6,10 @@ from transformers import DynamicCache
 import vlm_kv
 from vlm_kv.attention import handoff
 from vlm_kv.attention.handoff import AttentionBypassError
+from vlm_kv.config import CacheOptions
 from vlm_kv.testing import tiny_model
+
+WINDOW_4 = CacheOptions(scorer_kwargs={"window": 4})  # snapkv / adakv observe 4 queries
 
 
 def test_switching_the_attention_implementation_after_make_cache_raises():
@@ -33,9 +36,9 @@ def test_a_hand_off_never_consumed_raises():
     cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0)
     k = torch.randn(1, model.config.num_key_value_heads, 3, model.config.head_dim)
     cache.begin_forward(None, None, 3)
-    cache.layers[0].update(k, k)
+    cache.update(k, k, 0)
     with pytest.raises(AttentionBypassError, match="layer 0 stored its keys/values"):
-        cache.layers[1].update(k, k)
+        cache.update(k, k, 1)
     handoff.end_forward_quietly()
 
 
@@ -44,7 +47,7 @@ def test_a_forward_ending_with_a_pending_hand_off_raises():
     cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0)
     k = torch.randn(1, model.config.num_key_value_heads, 3, model.config.head_dim)
     cache.begin_forward(None, None, 3)
-    cache.layers[0].update(k, k)
+    cache.update(k, k, 0)
     with pytest.raises(AttentionBypassError, match="did not run through"):
         cache.end_forward()
 
@@ -66,10 +69,10 @@ def test_vlm_kv_attention_without_cache_update_raises_during_a_compressed_forwar
 
 def test_held_bytes_count_remembered_queries_and_metadata():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5, options=WINDOW_4)
     model(input_ids=torch.randint(5, 100, (1, 40)), past_key_values=cache)
     report = cache.kv_bytes()
-    queries = sum(layer._queries.untyped_storage().nbytes() + layer._query_positions.untyped_storage().nbytes()
+    queries = sum(layer.recent.queries.untyped_storage().nbytes() + layer.recent.positions.untyped_storage().nbytes()
                   for layer in cache.layers)
     assert report["query_window"] == queries > 0
     assert report["metadata"] > 0
@@ -83,13 +86,13 @@ def test_num_return_sequences_with_sampling_matches_dynamic_cache():
     torch.manual_seed(0)
     ref = model.generate(**kwargs, past_key_values=DynamicCache(config=model.config))
     torch.manual_seed(0)
-    out = model.generate(**kwargs, past_key_values=vlm_kv.make_cache(model, policy="snapkv", budget=1.0, evict_every=2))
+    out = model.generate(**kwargs, past_key_values=vlm_kv.make_cache(model, policy="snapkv", budget=1.0, options=CacheOptions(evict_every=2)))
     assert out.shape[0] == 2 and torch.equal(out, ref)
 
 
 def test_batch_repeat_interleave_repeats_each_sequence_entries():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="adakv", budget=0.5, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="adakv", budget=0.5, options=WINDOW_4)
     ids = torch.randint(5, 100, (2, 30), generator=torch.Generator().manual_seed(2))
     model(input_ids=ids, past_key_values=cache)
     before = [layer.store.padded_view() for layer in cache.layers]
@@ -104,9 +107,9 @@ def test_batch_repeat_interleave_repeats_each_sequence_entries():
 def test_an_error_half_way_through_a_forward_loses_nothing():
     model = tiny_model("llama")
     ids = torch.randint(5, 100, (1, 30), generator=torch.Generator().manual_seed(3))
-    ref = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, scorer_kwargs={"window": 4})
+    ref = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, options=WINDOW_4)
     model(input_ids=ids, cache=ref)
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, options=WINDOW_4)
     model(input_ids=ids, cache=cache)
     second = model.model.layers[1].self_attn
     handle = second.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -5,7 +5,8 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.testing import feed_tokens, record_evictions, tiny_model
+from vlm_kv.config import CacheOptions
+from vlm_kv.testing import feed_tokens, record_evictions, tiny_gates, tiny_model
 from vlm_kv.policies import POLICIES
 
 # text-only model: visual-only policies (fastv, visionzip) are covered with images in tests/policies
@@ -21,7 +22,8 @@ def test_bytes_stay_within_budget_over_300_decode_steps(policy):
     model = tiny_model("llama")
     tokens = torch.randint(5, model.config.vocab_size, (2, 64 + 300), generator=torch.Generator().manual_seed(0))
     small_window = {"window": 8} if policy in ("snapkv", "pyramidkv", "adakv") else None
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, evict_every=8, scorer_kwargs=small_window)
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.25,
+                              options=CacheOptions(evict_every=8, scorer_kwargs=small_window))
     after_steps = []
     evict = cache.evict
 
@@ -50,7 +52,8 @@ def test_kept_entries_keep_their_original_positions():
     tokens = torch.randint(5, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
     full = DynamicCache(config=model.config)
     feed_tokens(model, full, tokens, 48)
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, evict_every=8, scorer_kwargs={"window": 8})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3,
+                              options=CacheOptions(evict_every=8, scorer_kwargs={"window": 8}))
     feed_tokens(model, cache, tokens, 48)
     # layer 0 keys depend only on token and position, so every kept key must equal the
     # full cache's key at the entry's recorded position (RoPE applied at that position)
@@ -67,7 +70,7 @@ def test_kept_entries_keep_their_original_positions():
 def test_slack_keeps_room_below_the_budget():
     model = tiny_model("llama")
     tokens = torch.randint(5, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(2))
-    cache = vlm_kv.make_cache(model, policy="streaming_llm", budget=0.5, evict_every=4, slack=4)
+    cache = vlm_kv.make_cache(model, policy="streaming_llm", budget=0.5, options=CacheOptions(evict_every=4, slack=4))
     feed_tokens(model, cache, tokens, 100)
     # right after the last eviction step each head held cap - slack; 4 more tokens since then at most
     assert cache.stats()["head_length"]["max"] <= cache.budget.capacity(120)
@@ -75,14 +78,12 @@ def test_slack_keeps_room_below_the_budget():
 
 @pytest.mark.parametrize("policy", ["snapkv", "adakv", "dbtrimkv", "h2o"])  # h2o: decode-step attention sums in bf16
 def test_bf16_caches_hold_the_budget_at_every_eviction_step(policy):
-    from vlm_kv.testing import tiny_gates
-
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     tokens = torch.randint(5, model.config.vocab_size, (2, 48 + 40), generator=torch.Generator().manual_seed(1))
-    kwargs = {"gates": tiny_gates(model).to(torch.bfloat16)} if policy == "dbtrimkv" else {}
-    if policy in ("snapkv", "adakv"):
-        kwargs["scorer_kwargs"] = {"window": 4}
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, evict_every=4, **kwargs)
+    gates = tiny_gates(model).to(torch.bfloat16) if policy == "dbtrimkv" else None
+    scorer_kwargs = {"window": 4} if policy in ("snapkv", "adakv") else None
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.25, gates=gates,
+                              options=CacheOptions(evict_every=4, scorer_kwargs=scorer_kwargs))
     held = record_evictions(cache)
     feed_tokens(model, cache, tokens, 48)
     assert len(held) == 1 + 40 // 4

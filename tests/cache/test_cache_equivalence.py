@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
+from vlm_kv.config import CacheOptions
 from vlm_kv.models.adapters import SUPPORTED_FAMILIES
 from vlm_kv.testing import tiny_inputs, tiny_model
 
@@ -26,7 +27,7 @@ def test_full_budget_matches_dynamic_cache(family, dtype):
     ref_tokens, ref_logits = _generate(model, inputs, DynamicCache(config=model.config), 12)
     # evict_every=4: several eviction steps happen inside the 12 decode steps, so the
     # compacted body (not only the dense tail) is exercised
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, evict_every=4)
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=1.0, options=CacheOptions(evict_every=4))
     tokens, logits = _generate(model, inputs, cache, 12)
     assert cache.eviction_steps >= 3
     assert torch.equal(tokens, ref_tokens)

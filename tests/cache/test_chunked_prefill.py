@@ -1,9 +1,10 @@
-"""make_cache(..., prefill_chunk=N): a long prompt enters in chunks with an eviction step after each."""
+"""make_cache(..., options=CacheOptions(prefill_chunk=N)): a long prompt enters in chunks with an eviction step after each."""
 import pytest
 import torch
 from transformers import DynamicCache
 
 import vlm_kv
+from vlm_kv.config import CacheOptions
 from vlm_kv.testing import tiny_inputs, tiny_model
 
 
@@ -15,7 +16,7 @@ def test_full_budget_with_chunks_matches_dynamic_cache(family, policy):
     kwargs = dict(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
     ref = model.generate(**kwargs, cache=DynamicCache(config=model.config))
-    cache = vlm_kv.make_cache(model, policy=policy, budget=1.0, prefill_chunk=16, evict_every=2)
+    cache = vlm_kv.make_cache(model, policy=policy, budget=1.0, options=CacheOptions(prefill_chunk=16, evict_every=2))
     out = model.generate(**kwargs, cache=cache)
     assert cache.chunked_prefills == 1 and cache.eviction_steps >= 4  # 4 chunks, then decode steps
     assert torch.equal(out.sequences, ref.sequences)
@@ -25,9 +26,10 @@ def test_full_budget_with_chunks_matches_dynamic_cache(family, policy):
 def test_chunked_prefill_peak_is_about_budget_plus_chunk():
     model = tiny_model("llama")
     ids = torch.randint(16, 200, (1, 400), generator=torch.Generator().manual_seed(0))
-    whole = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, scorer_kwargs={"window": 4})
+    whole = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, options=CacheOptions(scorer_kwargs={"window": 4}))
     model(input_ids=ids, cache=whole)
-    chunked = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, prefill_chunk=40, scorer_kwargs={"window": 4})
+    chunked = vlm_kv.make_cache(model, policy="snapkv", budget=0.1,
+                                options=CacheOptions(prefill_chunk=40, scorer_kwargs={"window": 4}))
     model(input_ids=ids, cache=chunked)
     per_token = whole.full_kv_bytes() // 400
     # unchunked, each layer is evicted right after its attention: one full layer on top of the budget
@@ -43,7 +45,7 @@ def test_chunked_prefill_returns_the_last_chunk_logits_of_a_full_budget_run():
     model = tiny_model("qwen2")
     ids = torch.randint(16, 200, (1, 70), generator=torch.Generator().manual_seed(1))
     ref = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits
-    cache = vlm_kv.make_cache(model, policy="tova", budget=1.0, prefill_chunk=32)
+    cache = vlm_kv.make_cache(model, policy="tova", budget=1.0, options=CacheOptions(prefill_chunk=32))
     out = model(input_ids=ids, cache=cache).logits
     assert out.shape[1] == 70 - 64  # the earlier chunks' logits are not kept
     torch.testing.assert_close(out, ref[:, 64:], rtol=1e-4, atol=1e-4)
@@ -52,7 +54,8 @@ def test_chunked_prefill_returns_the_last_chunk_logits_of_a_full_budget_run():
 def test_a_forward_with_images_is_prefilled_in_one_piece():
     model = tiny_model("qwen2_5_vl")
     inputs = tiny_inputs(model, num_images=2, text_len=30)
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5, prefill_chunk=8, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5,
+                              options=CacheOptions(prefill_chunk=8, scorer_kwargs={"window": 4}))
     model(**inputs, cache=cache)
     assert cache.chunked_prefills == 0 and cache.eviction_steps == 1
     assert cache.stats()["per_modality"]["image"] > 0

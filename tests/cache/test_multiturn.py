@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
+from vlm_kv.config import CacheOptions
 from vlm_kv.testing import tiny_inputs, tiny_model
 
 
@@ -49,7 +50,8 @@ def test_second_turn_positions_match_uncompressed_run(family):
     _two_turns(model, DynamicCache(config=model.config), turn1, turn2, answer)
     handle.remove()
 
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, evict_every=2, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3,
+                              options=CacheOptions(evict_every=2, scorer_kwargs={"window": 4}))
     pos, handle = _rotary_positions(model)
     _two_turns(model, cache, turn1, turn2, answer)
     handle.remove()
@@ -71,10 +73,10 @@ def test_second_turn_positions_match_uncompressed_run(family):
 def test_reset_empties_the_cache_for_a_new_conversation():
     model = tiny_model("llama", num_layers=2)
     ids = torch.randint(16, 200, (1, 60), generator=torch.Generator().manual_seed(7))
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.25, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.25, options=CacheOptions(scorer_kwargs={"window": 4}))
     model(input_ids=ids[:, :40], cache=cache)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.num_entries() == 0 and cache.valid_tokens is None
-    fresh = vlm_kv.make_cache(model, policy="snapkv", budget=0.25, scorer_kwargs={"window": 4})
+    fresh = vlm_kv.make_cache(model, policy="snapkv", budget=0.25, options=CacheOptions(scorer_kwargs={"window": 4}))
     torch.testing.assert_close(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=fresh).logits)
     assert cache.kv_bytes()["total"] == fresh.kv_bytes()["total"]

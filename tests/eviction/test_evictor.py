@@ -6,8 +6,11 @@ import torch
 import vlm_kv
 from vlm_kv.storage.allocation import GlobalTopK
 from vlm_kv.cache.cache import CompressedCache
+from vlm_kv.config import CacheOptions
 from vlm_kv.eviction.evictor import LayerwiseStep
 from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
+
+WINDOW_4 = CacheOptions(scorer_kwargs={"window": 4})  # snapkv / adakv observe 4 queries
 
 
 def _run(model, inputs, policy, **kwargs):
@@ -43,7 +46,7 @@ def test_layerwise_prefill_keeps_what_the_end_of_forward_step_keeps(policy, monk
 def test_unchunked_prefill_peak_is_the_budget_plus_one_layer():
     model = tiny_model("llama", num_layers=6)
     ids = torch.randint(16, 200, (1, 300), generator=torch.Generator().manual_seed(0))
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, options=WINDOW_4)
     model(input_ids=ids, cache=cache)
     full_layer = cache.full_kv_bytes() // cache.num_layers
     assert cache.peak_kv_bytes <= cache.budget_bytes() + full_layer
@@ -69,14 +72,14 @@ def test_a_global_step_drops_early_only_what_the_final_top_k_never_keeps():
 def test_a_failure_after_layerwise_eviction_leaves_the_cache_empty_and_usable():
     model = tiny_model("llama", num_layers=3)
     ids = torch.randint(16, 200, (1, 50), generator=torch.Generator().manual_seed(1))
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=WINDOW_4)
     last = model.model.layers[2].self_attn
     handle = last.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         model(input_ids=ids, cache=cache)  # layers 0 and 1 were evicted already
     handle.remove()
     assert cache.get_seq_length() == 0 and cache.num_entries() == 0
-    ref = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, scorer_kwargs={"window": 4})
+    ref = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=WINDOW_4)
     torch.testing.assert_close(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)
     assert cache.num_entries() == ref.num_entries()
 
@@ -84,7 +87,7 @@ def test_a_failure_after_layerwise_eviction_leaves_the_cache_empty_and_usable():
 def test_a_second_turn_is_evicted_at_the_end_of_its_forward():
     model = tiny_model("llama", num_layers=3)
     ids = torch.randint(16, 200, (1, 80), generator=torch.Generator().manual_seed(2))
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=WINDOW_4)
     model(input_ids=ids[:, :50], cache=cache)
     held = cache.kv_bytes()["total"]
     cache.peak_kv_bytes = 0
@@ -97,13 +100,13 @@ def test_a_second_turn_is_evicted_at_the_end_of_its_forward():
 def test_each_chunk_of_a_prompt_is_evicted_layer_by_layer_and_keeps_what_end_of_forward_keeps(monkeypatch):
     model = tiny_model("llama", num_layers=4)
     ids = torch.randint(16, 200, (1, 200), generator=torch.Generator().manual_seed(4))
-    chunked = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, prefill_chunk=50, scorer_kwargs={"window": 4})
+    chunked = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, options=CacheOptions(prefill_chunk=50, scorer_kwargs={"window": 4}))
     logits = model(input_ids=ids, cache=chunked).logits
     full_layer_chunk = chunked.full_kv_bytes() // chunked.num_layers * 50 // 200
     # later chunks too: the budget so far plus one layer's chunk, not every layer's chunk
     assert chunked.peak_kv_bytes <= chunked.budget_bytes() + full_layer_chunk
     monkeypatch.setattr(CompressedCache, "after_prefill_attention", lambda self, layer: None)
-    at_end = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, prefill_chunk=50, scorer_kwargs={"window": 4})
+    at_end = vlm_kv.make_cache(model, policy="snapkv", budget=0.1, options=CacheOptions(prefill_chunk=50, scorer_kwargs={"window": 4}))
     assert torch.equal(model(input_ids=ids, cache=at_end).logits, logits)
     for a, b in zip(chunked.layers, at_end.layers):
         assert torch.equal(a.held_positions()[0], b.held_positions()[0])
@@ -112,7 +115,7 @@ def test_each_chunk_of_a_prompt_is_evicted_layer_by_layer_and_keeps_what_end_of_
 def test_a_failure_in_a_later_chunk_empties_the_cache_the_call_started_with():
     model = tiny_model("llama", num_layers=3)
     ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(5))
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, prefill_chunk=40, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=CacheOptions(prefill_chunk=40, scorer_kwargs={"window": 4}))
     calls = []
 
     def fail_on_third_chunk(*args):
@@ -126,5 +129,5 @@ def test_a_failure_in_a_later_chunk_empties_the_cache_the_call_started_with():
     for handle in handles:
         handle.remove()
     assert cache.get_seq_length() == 0 and cache.num_entries() == 0
-    ref = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, prefill_chunk=40, scorer_kwargs={"window": 4})
+    ref = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=CacheOptions(prefill_chunk=40, scorer_kwargs={"window": 4}))
     torch.testing.assert_close(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)

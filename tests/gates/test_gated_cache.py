@@ -213,7 +213,7 @@ def test_a_gate_input_never_stored_is_an_error():
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.5, gates=_gates(model))
     with torch.no_grad():
         model(input_ids=torch.randint(5, 200, (1, 16)), past_key_values=cache)
-    cache.defer_gate(1, torch.randn(1, 1, model.config.hidden_size))  # a gate ran, its layer never stored
+    cache.gate_handoff.defer(1, torch.randn(1, 1, model.config.hidden_size))  # a gate ran, its layer never stored
     with pytest.raises(vlm_kv.CacheMisuseError, match=r"layers \[1\].*never stored"):
         cache.end_forward()
     with torch.no_grad():  # nothing is left behind: the next step works

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_kv.kernels.int2 import decode_key_grid, dequantize_keys, dequantize_values, quantize_keys, quantize_keys_compact, quantize_values
+from vlm_kv.kernels.sources import Int2Source, PagedSource
 
 
 def random_paged_store(batch: int, kv_heads: int, group: int, head_dim: int, lengths: list[int], block_size: int = 16,
@@ -69,6 +70,16 @@ def random_int2_store(rows: int, head_dim: int, counts: list[int], window: int =
 
 FP_KEYS = ("query", "key_pool", "value_pool", "block_table", "lengths")
 INT2_KEYS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "int2_table", "int2_counts")
+
+
+def paged_source(store: dict) -> PagedSource:
+    """The kernels' view of a ``random_paged_store``."""
+    return PagedSource(*(store[k] for k in FP_KEYS[1:]))
+
+
+def int2_source(store: dict, **extra) -> Int2Source:
+    """The kernels' view of a ``random_int2_store``; ``extra``: slot_mask, key_basis, value_basis."""
+    return Int2Source(*(store[k] for k in INT2_KEYS), **extra)
 
 
 def row_entries(fp: dict, int2: dict | None, row: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,10 +15,10 @@ def test_triton_decode_in_the_cache_matches_the_torch_path(policy, triton_kernel
                   return_dict_in_generate=True)
     runs = {}
     for backend in ("torch", "triton"):
-        cache = vlm_kv.make_cache(model, policy=policy, budget=0.5, evict_every=2, scorer_kwargs={"window": 4},
-                                  attention_backend=backend)
+        cache = vlm_kv.make_cache(model, policy=policy, budget=0.5, options=vlm_kv.CacheOptions(
+            evict_every=2, scorer_kwargs={"window": 4}, attention_backend=backend))
         runs[backend] = model.generate(**kwargs, cache=cache)
-        assert cache.use_triton_decode(ids.float()) == (backend == "triton")
+        assert cache.paths.triton_decode(ids.float()) == (backend == "triton")
     assert torch.equal(runs["triton"].sequences, runs["torch"].sequences)
     torch.testing.assert_close(torch.stack(runs["triton"].logits), torch.stack(runs["torch"].logits), rtol=1e-4, atol=1e-4)
 
@@ -28,8 +28,8 @@ def test_triton_decode_with_a_full_budget_matches_dynamic_cache(triton_kernels):
     inputs = tiny_inputs(model, batch_size=2, num_images=0, text_len=20, left_pad=2)
     kwargs = dict(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     ref = model.generate(**kwargs, cache=DynamicCache(config=model.config))
-    out = model.generate(**kwargs, cache=vlm_kv.make_cache(model, policy="tova", budget=1.0, evict_every=2,
-                                                           attention_backend="triton"))
+    out = model.generate(**kwargs, cache=vlm_kv.make_cache(model, policy="tova", budget=1.0, options=vlm_kv.CacheOptions(
+        evict_every=2, attention_backend="triton")))
     assert torch.equal(out, ref)
 
 
@@ -57,9 +57,9 @@ def test_triton_decode_over_fp_and_int2_tiers_matches_the_torch_path(triton_kern
                   return_dict_in_generate=True)
     runs, held = {}, {}
     for backend in ("torch", "triton"):
-        cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4,
-                                  scorer_kwargs={"window": 4}, attention_backend=backend, fp_unit=fp_unit,
-                                  key_grid=key_grid, basis=basis)
+        cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3,
+                                  tiers={"window": 4, "fp_unit": fp_unit, "key_grid": key_grid, "basis": basis},
+                                  options=vlm_kv.CacheOptions(scorer_kwargs={"window": 4}, attention_backend=backend))
         runs[backend] = model.generate(**kwargs, cache=cache)
         assert cache.layers[0].tier.rotated == (basis != "channel")
         held[backend] = cache.stats()["per_tier"]

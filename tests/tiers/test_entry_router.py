@@ -4,8 +4,15 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv.tiers import entry_router as token_routing
-from vlm_kv.testing import feed_tokens, random_tokens, record_evictions, tiny_gates, tiny_model
+from vlm_kv.config import CacheOptions, TierConfig
+from vlm_kv.testing import (
+    feed_tokens,
+    random_tokens,
+    record_evictions,
+    tiny_gates,
+    tiny_model,
+)
+from vlm_kv.tiers.entry_router import EntryRouter
 from vlm_kv.tiers.windows import FP, INT2
 
 
@@ -28,7 +35,7 @@ def _rows(layer):
 def test_int2_windows_have_holes_where_entries_are_fp_and_no_entry_is_held_twice(policy):
     model = tiny_model("llama")
     kw = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers="int2", fp_unit="token", int2_share=0.5, **kw)
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers={"fp_unit": "token", "int2_share": 0.5}, **kw)
     feed_tokens(model, cache, random_tokens(96 + 40, batch=2, vocab=model.config.vocab_size), 96)
     holes = 0
     for layer in cache.layers:
@@ -42,12 +49,14 @@ def test_int2_windows_have_holes_where_entries_are_fp_and_no_entry_is_held_twice
     assert cache.stats()["per_tier"]["int2_entries"] > 0
 
 
-def _force_entry(cache, monkeypatch, row: int, position: int, decision: int) -> None:
+def _force_entry(cache, row: int, position: int, decision: int) -> None:
     """One routing event in which the entry at ``position`` of layer 0, row ``row`` gets ``decision``."""
-    decide = token_routing.decide_entries
+    router = cache.router
+    assert isinstance(router.strategy, EntryRouter)
+    decide = router._decide
 
-    def patched(config, layers, routings, allocation, scorer, share):
-        decisions, fallback = decide(config, layers, routings, allocation, scorer, share)
+    def patched(layers, routings, allocation, scorer):
+        decisions, fallback = decide(layers, routings, allocation, scorer)
         H = decisions[0].shape[1]
         r = routings[0]
         hit = (r.positions[row // H, row % H] == position) & r.valid[row // H, row % H]
@@ -55,16 +64,16 @@ def _force_entry(cache, monkeypatch, row: int, position: int, decision: int) -> 
         decisions[0][row // H, row % H][hit] = decision
         return decisions, fallback
 
-    monkeypatch.setattr(token_routing, "decide_entries", patched)
+    router._decide = patched  # this instance only; the class's method comes back below
     try:
         cache.evict()
     finally:
-        monkeypatch.setattr(token_routing, "decide_entries", decide)
+        del router._decide
 
 
-def test_one_entry_moves_between_tiers_through_the_same_codes(monkeypatch):
+def test_one_entry_moves_between_tiers_through_the_same_codes():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", fp_unit="token")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers={"fp_unit": "token"})
     feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     tier = cache.layers[0].tier
     i = int(torch.nonzero(tier.active).flatten()[0])
@@ -79,13 +88,13 @@ def test_one_entry_moves_between_tiers_through_the_same_codes(monkeypatch):
         assert hit.numel() == 1  # the window stays in the ledger while one of its entries lives
         return int(hit[0])
 
-    _force_entry(cache, monkeypatch, row, position, FP)  # promoted alone
+    _force_entry(cache, row, position, FP)  # promoted alone
     j = window()
     assert int(tier.positions[j, slot]) == -1
     fp = cache.layers[0].store.padded_view()
     H = fp.positions.shape[1]
     assert position in fp.positions[row // H, row % H][fp.valid[row // H, row % H]].tolist()
-    _force_entry(cache, monkeypatch, row, position, INT2)  # demoted again: the stored codes, not new ones
+    _force_entry(cache, row, position, INT2)  # demoted again: the stored codes, not new ones
     j = window()
     assert int(tier.positions[j, slot]) == position
     for a, b in zip(codes, tier.codes.select(torch.tensor([j]))._tensors()):
@@ -96,7 +105,7 @@ def test_one_entry_moves_between_tiers_through_the_same_codes(monkeypatch):
 
 def test_no_int2_share_holds_full_precision_entries_only():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.25, tiers="int2", fp_unit="token", int2_share=0.0)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.25, tiers={"fp_unit": "token", "int2_share": 0.0})
     steps = record_evictions(cache)
     feed_tokens(model, cache, random_tokens(96 + 24, vocab=model.config.vocab_size), 96)
     assert cache.stats()["per_tier"]["quantized"] == 0
@@ -115,7 +124,7 @@ def test_token_routing_holds_more_fp_bytes_than_window_routing_leaves_unused():
     model = tiny_model("llama")
     tokens = random_tokens(128 + 16, batch=2, vocab=model.config.vocab_size)
     for fp_unit in ("window", "token"):
-        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", fp_unit=fp_unit)
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers={"fp_unit": fp_unit})
         steps = record_evictions(cache)
         feed_tokens(model, cache, tokens, 128)
         assert all(held <= allowed for held, allowed in steps)
@@ -129,8 +138,8 @@ def test_token_routing_holds_more_fp_bytes_than_window_routing_leaves_unused():
 
 def test_chunked_prefill_and_a_second_turn_route_by_entries_within_budget():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, tiers="int2", fp_unit="token",
-                              gates=tiny_gates(model), prefill_chunk=32)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, tiers={"fp_unit": "token"},
+                              gates=tiny_gates(model), options=CacheOptions(prefill_chunk=32))
     steps = record_evictions(cache)
     feed_tokens(model, cache, random_tokens(96 + 16, vocab=model.config.vocab_size), 96)
     feed_tokens(model, cache, random_tokens(40 + 8, vocab=model.config.vocab_size, seed=3), 40)
@@ -140,20 +149,20 @@ def test_chunked_prefill_and_a_second_turn_route_by_entries_within_budget():
 
 
 @pytest.mark.parametrize("spill, key_rope", [(True, "post"), (True, "pre"), (False, "post")])
-def test_a_promoted_entry_is_its_original_only_with_spill(monkeypatch, spill, key_rope):
+def test_a_promoted_entry_is_its_original_only_with_spill(spill, key_rope):
     model = tiny_model("llama")
     tokens = random_tokens(64, vocab=model.config.vocab_size)
     ref = vlm_kv.make_cache(model, policy="full", budget=1.0)
     with torch.no_grad():
         model(input_ids=tokens, past_key_values=ref, use_cache=True)
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", fp_unit="token", spill=spill,
-                              key_rope=key_rope)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5,
+                              tiers={"fp_unit": "token", "spill": spill, "key_rope": key_rope})
     feed_tokens(model, cache, tokens, 64)
     tier = cache.layers[0].tier
     i = int(torch.nonzero(tier.active).flatten()[0])
     row = int(tier.row[i])
     position = int(tier.positions[i][tier.positions[i] >= 0][0])
-    _force_entry(cache, monkeypatch, row, position, FP)
+    _force_entry(cache, row, position, FP)
     fp = cache.layers[0].store.padded_view(with_values=True)
     H = fp.positions.shape[1]
     at = (fp.positions[row // H, row % H] == position) & fp.valid[row // H, row % H]
@@ -172,7 +181,7 @@ def test_fp_unit_cli_option_reaches_the_cache_and_needs_tiers():
     p = argparse.ArgumentParser()
     add_tier_args(p)
     kw = tier_kwargs(p.parse_args(["--tiers", "int2", "--fp-unit", "token"]))
-    assert kw == {"tiers": "int2", "fp_unit": "token"}
+    assert kw == {"tiers": {"fp_unit": "token"}}
     assert vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2, **kw).tiers.fp_unit == "token"
     with pytest.raises(ValueError, match="--fp-unit"):
         tier_kwargs(p.parse_args(["--fp-unit", "token"]))
@@ -186,18 +195,18 @@ def test_dbtrimkv_tiers_choose_fp_by_entries_by_default_and_other_policies_by_wi
     share = tiers.share_for(torch.tensor([0.05, 0.1, 0.175, 0.25, 0.5], dtype=torch.float64))
     torch.testing.assert_close(share, torch.tensor([0.5, 0.5, 0.4, 0.3, 0.3], dtype=torch.float64))
     # what the caller says wins; the value split routes whole windows
-    window = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, fp_unit="window").tiers
+    window = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers={"fp_unit": "window"}, gates=gates).tiers
     assert (window.fp_unit, window.int2_share_by_budget, window.int2_share) == ("window", None, 0.7)
-    fixed = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, int2_share=0.6).tiers
+    fixed = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers={"int2_share": 0.6}, gates=gates).tiers
     assert (fixed.fp_unit, fixed.int2_share_by_budget, fixed.int2_share) == ("token", None, 0.6)
-    valued = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates, int2_value=0.7).tiers
+    valued = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers={"int2_value": 0.7}, gates=gates).tiers
     assert (valued.fp_unit, valued.int2_value, valued.int2_share_by_budget) == ("window", 0.7, None)
     plain = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2").tiers
     assert (plain.fp_unit, plain.int2_share) == ("window", 0.7)
     qevict = vlm_kv.make_cache(model, policy="qevict", budget=0.2).tiers
     assert (qevict.fp_unit, qevict.key_grid, qevict.int2_share) == ("window", "int8", 0.9)
-    paper = vlm_kv.make_cache(model, policy="qevict", budget=0.2, key_grid="fp16", int2_share=0.7,
-                              basis="channel").tiers
+    paper = vlm_kv.make_cache(model, policy="qevict", budget=0.2,
+                              tiers={"key_grid": "fp16", "int2_share": 0.7, "basis": "channel"}).tiers
     assert (paper.key_grid, paper.int2_share, paper.basis) == ("fp16", 0.7, "channel")
     # the compact key grid and the Hadamard basis are every tiered cache's default but KIVI-2's, which
     # keeps KIVI's fp16 grid in the channel basis
@@ -211,18 +220,19 @@ def test_the_int2_share_follows_the_budget_fraction_of_each_sequence(monkeypatch
     """With a schedule, a generous budget quantizes a smaller share of its bytes than a tight one."""
     model = tiny_model("llama")
     shares = []
-    decide = token_routing.decide_entries
+    share_for = TierConfig.share_for
 
-    def spy(config, layers, routings, allocation, scorer, share):
+    def spy(config, fraction):  # the entry router asks its config for each sequence's share
+        share = share_for(config, fraction)
         shares.append(share.clone())
-        return decide(config, layers, routings, allocation, scorer, share)
+        return share
 
-    monkeypatch.setattr(token_routing, "decide_entries", spy)
+    monkeypatch.setattr(TierConfig, "share_for", spy)
     tokens = random_tokens(128, vocab=model.config.vocab_size)
     held = {}
     for budget in (0.1, 0.4):
-        cache = vlm_kv.make_cache(model, policy="h2o", budget=budget, tiers="int2", fp_unit="token",
-                                  int2_share_by_budget=(0.1, 0.8, 0.4, 0.2))
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=budget,
+                                  tiers={"fp_unit": "token", "int2_share_by_budget": (0.1, 0.8, 0.4, 0.2)})
         feed_tokens(model, cache, tokens, 128)
         held[budget] = cache.kv_bytes()["per_tier"]
     assert abs(float(shares[0][0]) - 0.8) < 0.05 and abs(float(shares[-1][0]) - 0.2) < 0.05
@@ -232,12 +242,10 @@ def test_the_int2_share_follows_the_budget_fraction_of_each_sequence(monkeypatch
 
 @pytest.mark.parametrize("bad", [(0.1, 0.5, 0.05, 0.3), (0.1, 1.0, 0.25, 0.3), (0.1, 0.5, 0.25)])
 def test_bad_share_schedules_are_refused(bad):
-    from vlm_kv.config import TierConfig
-
     with pytest.raises(ValueError, match="int2_share_by_budget"):
         TierConfig(fp_unit="token", int2_share_by_budget=bad)
     with pytest.raises(ValueError, match="fp_unit='token'"):
         TierConfig(int2_share_by_budget=(0.1, 0.5, 0.25, 0.3))
     with pytest.raises(ValueError, match="int2_share= and int2_share_by_budget= .*pass one of them"):
-        vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2, tiers="int2", fp_unit="token",
-                          int2_share=0.5, int2_share_by_budget=(0.1, 0.5, 0.25, 0.3))
+        vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2,
+                          tiers={"fp_unit": "token", "int2_share": 0.5, "int2_share_by_budget": (0.1, 0.5, 0.25, 0.3)})

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import vlm_kv
-from vlm_kv.tiers.rope_keys import KeyRotation
 from vlm_kv.testing import record_evictions, tiny_model
+from vlm_kv.tiers.rope_keys import KeyRotation
 
 
 def test_rotation_matches_the_model_rotary_and_inverts():
@@ -24,7 +24,7 @@ def test_pre_rope_tiers_hold_the_budget_and_attend_rotated_keys():
     tokens = torch.randint(5, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
     caches = {}
     for key_rope in ("post", "pre"):
-        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2", key_rope=key_rope)
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers={"key_rope": key_rope})
         steps = record_evictions(cache)
         with torch.no_grad():
             model(input_ids=tokens[:, :80], past_key_values=cache, use_cache=True)
@@ -54,7 +54,7 @@ def test_pre_rope_tiers_hold_the_budget_and_attend_rotated_keys():
             bound = tier.codes.key_scale[i].float() / 2 + 1e-3
             assert ((keys[i, t] - true_pre).abs() <= bound).all()
     with pytest.raises(ValueError, match="M-RoPE"):
-        vlm_kv.make_cache(tiny_model("qwen2_vl"), policy="h2o", budget=0.3, tiers="int2", key_rope="pre")
+        vlm_kv.make_cache(tiny_model("qwen2_vl"), policy="h2o", budget=0.3, tiers={"key_rope": "pre"})
 
 
 def test_pre_rope_keys_in_the_hadamard_basis_come_back_within_the_grid_bound():
@@ -62,7 +62,7 @@ def test_pre_rope_keys_in_the_hadamard_basis_come_back_within_the_grid_bound():
 
     model = tiny_model("llama")
     tokens = torch.randint(5, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2", key_rope="pre", basis="hadamard")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers={"key_rope": "pre", "basis": "hadamard"})
     full = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=tokens[:, :80], past_key_values=cache, use_cache=True)

@@ -7,15 +7,19 @@ import torch
 from transformers import DynamicCache
 
 import vlm_kv
+from vlm_kv.api import tiers_with_fields
 from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
-from vlm_kv.tiers.int2_tier import SpillCopies
-from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_tokens, record_evictions, tiny_gates, tiny_model
 from vlm_kv.config import TierConfig
+from vlm_kv.testing import (
+    feed_tokens,
+    random_tokens,
+    record_evictions,
+    route_with_forced_decision,
+    tiny_gates,
+    tiny_model,
+)
+from vlm_kv.tiers.int2_tier import SpillCopies
 from vlm_kv.tiers.window_router import EVICT, FP, INT2
-
-
-
-
 
 
 def _original_kv(model, tokens):
@@ -42,7 +46,7 @@ def test_promotion_restores_the_original_entries_only_with_spill(spill, key_rope
     model = tiny_model("llama")
     tokens = random_tokens(64, vocab=model.config.vocab_size)
     originals = _original_kv(model, tokens)
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", spill=spill, key_rope=key_rope)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers={"spill": spill, "key_rope": key_rope})
     feed_tokens(model, cache, tokens, 64)
     layer = cache.layers[0]
     tier = layer.tier
@@ -77,7 +81,7 @@ def test_promotion_restores_the_original_entries_only_with_spill(spill, key_rope
 
 def test_spill_bytes_are_the_host_copies_and_fall_when_windows_are_evicted():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", spill=True)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers={"spill": True})
     feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     tiers = [layer.tier for layer in cache.layers]
     for tier in tiers:
@@ -107,8 +111,8 @@ def test_spill_bytes_are_the_host_copies_and_fall_when_windows_are_evicted():
 @pytest.mark.parametrize("policy", ["qevict", "dbtrimkv"])
 def test_budget_holds_with_spill_and_excludes_the_host_copies(policy):
     model = tiny_model("llama")
-    kw = {"gates": tiny_gates(model), "tiers": "int2"} if policy == "dbtrimkv" else {}
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, spill=True, **kw)
+    kw = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers={"spill": True}, **kw)
     steps = record_evictions(cache)
     spill_seen = []
     evict = cache.evict
@@ -133,7 +137,7 @@ def test_spill_with_budget_one_equals_dynamic_cache():
     model = tiny_model("llama")
     tokens = random_tokens(40 + 30, batch=2, vocab=model.config.vocab_size)
     ref = feed_tokens(model, DynamicCache(config=model.config), tokens, 40)
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=1.0, tiers="int2", spill=True)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=1.0, tiers={"spill": True})
     out = feed_tokens(model, cache, tokens, 40)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert cache.stats()["per_tier"]["quantized"] == 0 and cache.kv_bytes()["per_tier"]["spill"] == 0
@@ -152,18 +156,19 @@ def test_spill_is_off_by_default_and_reported_as_zero():
 def test_spill_cli_option_parses_and_needs_tiers():
     p = argparse.ArgumentParser()
     add_tier_args(p)
-    assert tier_kwargs(p.parse_args(["--tiers", "int2", "--spill"])) == {"tiers": "int2", "spill": True}
-    assert "spill" not in tier_kwargs(p.parse_args(["--tiers", "int2"]))
+    assert tier_kwargs(p.parse_args(["--tiers", "int2", "--spill"])) == {"tiers": {"spill": True}}
+    assert tier_kwargs(p.parse_args(["--tiers", "int2"])) == {"tiers": "int2"}
     with pytest.raises(ValueError, match="--spill"):
         tier_kwargs(p.parse_args(["--spill"]))
 
 
 def test_spill_settings_are_checked():
-    model = tiny_model("llama")
     with pytest.raises(ValueError, match="spill must be True or False"):
         TierConfig(spill="yes")
-    with pytest.raises(ValueError, match="spill="):
-        vlm_kv.make_cache(model, policy="h2o", budget=0.5, spill=True)
+    # flat settings (model arguments, grid cells) that ask for a spill tier on an untiered cache
+    with pytest.raises(ValueError, match="spill=.*pass tiers=int2"):
+        tiers_with_fields("h2o", None, {"spill": True})
+    assert tiers_with_fields("qevict", None, {"spill": True}) == {"spill": True}  # tiered by itself
 
 
 def test_spill_copies_stay_on_the_host_pinned_only_where_pinning_exists():

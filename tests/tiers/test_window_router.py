@@ -6,10 +6,27 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import vlm_kv
-from vlm_kv.tiers.int2_tier import QuantizedWindows
-from vlm_kv.testing import feed_tokens, route_with_forced_decision, random_tokens, record_evictions, tiny_gates, tiny_inputs, tiny_model
-from vlm_kv.config import TierConfig
-from vlm_kv.tiers.window_router import EVICT, FP, INT2, TierRouter, reduce_windows
+from vlm_kv.api import tiers_with_fields
+from vlm_kv.config import CacheOptions, TierConfig
+from vlm_kv.testing import (
+    feed_tokens,
+    random_tokens,
+    record_evictions,
+    route_with_forced_decision,
+    tiny_gates,
+    tiny_inputs,
+    tiny_model,
+)
+from vlm_kv.tiers.entry_router import EntryRouter
+from vlm_kv.tiers.int2_tier import Int2Tier, QuantizedWindows, TierShape
+from vlm_kv.tiers.window_router import (
+    EVICT,
+    FP,
+    INT2,
+    TierRouter,
+    WindowRouter,
+    reduce_windows,
+)
 
 TIERED = ["qevict", "h2o", "snapkv", "tova", "adakv", "pyramidkv", "streaming_llm", "dbtrimkv"]
 # 300 decode steps for three scorers (window mass per row, observation window per layer, gates globally);
@@ -18,22 +35,17 @@ LONG = {"qevict", "adakv", "dbtrimkv"}
 
 
 def _kwargs(policy, model, fp_unit=None, key_grid=None, basis=None):
-    kw = {} if fp_unit is None else {"fp_unit": fp_unit}
-    if key_grid is not None:
-        kw["key_grid"] = key_grid
-    if basis is not None:
-        kw["basis"] = basis
+    """make_cache's keywords: the policy's tier settings with the given ones changed (qevict is tiered
+    by itself), snapkv's observation window at 8, the tiny model's gates."""
+    fields = {k: v for k, v in (("fp_unit", fp_unit), ("key_grid", key_grid), ("basis", basis)) if v is not None}
+    kw = {}
+    if fields or policy != "qevict":
+        kw["tiers"] = fields or "int2"
     if policy in ("snapkv", "adakv", "pyramidkv"):
-        kw["scorer_kwargs"] = {"window": 8}
+        kw["options"] = CacheOptions(scorer_kwargs={"window": 8})
     if policy == "dbtrimkv":
         kw["gates"] = tiny_gates(model)
-    if policy != "qevict":
-        kw["tiers"] = "int2"
     return kw
-
-
-
-
 
 
 @pytest.mark.parametrize("policy, fp_unit, key_grid, basis",
@@ -64,7 +76,7 @@ def test_compact_key_grid_holds_more_int2_windows_at_the_same_bytes():
     tokens = random_tokens(200, vocab=model.config.vocab_size)
     held = {}
     for grid in ("fp16", "int8"):
-        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", key_grid=grid)
+        cache = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers={"key_grid": grid})
         feed_tokens(model, cache, tokens, 184)
         assert cache.kv_bytes()["total"] <= cache.budget_bytes()
         held[grid] = cache.stats()["per_tier"]["int2_windows"]
@@ -75,7 +87,7 @@ def test_tiers_hold_more_tokens_than_eviction_alone_at_the_same_bytes():
     model = tiny_model("llama")
     tokens = random_tokens(200, vocab=model.config.vocab_size)
     plain = vlm_kv.make_cache(model, policy="h2o", budget=0.2)
-    tiered = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", evict_every=16)
+    tiered = vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", options=CacheOptions(evict_every=16))
     feed_tokens(model, plain, tokens, 184)
     feed_tokens(model, tiered, tokens, 184)
     assert tiered.kv_bytes()["total"] <= tiered.budget_bytes() == plain.budget_bytes()
@@ -97,7 +109,7 @@ def test_budget_one_with_tiers_equals_dynamic_cache_and_quantizes_nothing(policy
 @pytest.mark.parametrize("key_grid, basis", [("fp16", "channel"), ("int8", "channel"), ("int8", "hadamard")])
 def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once(key_grid, basis):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers="int2", key_grid=key_grid, basis=basis)
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.5, tiers={"key_grid": key_grid, "basis": basis})
     feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
     layer = cache.layers[0]
     tier = layer.tier
@@ -133,7 +145,7 @@ def test_ledger_reuses_codes_byte_identical_and_quantizes_each_window_once(key_g
 def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(policy, fp_unit, monkeypatch):
     model = tiny_model("llama")
     gates = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, tiers="int2", fp_unit=fp_unit, **gates)
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, tiers={"fp_unit": fp_unit}, **gates)
     calls = []
     rotated = vlm_kv.attention.reference.rotated_tier_attention
     monkeypatch.setattr(vlm_kv.attention.reference, "rotated_tier_attention", lambda *a: calls.append(1) or rotated(*a))
@@ -150,7 +162,7 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(p
     store = layer.store
     store.append(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), layer.seen, torch.zeros(B, 1, dtype=torch.uint8),
                  torch.ones(B, 1, dtype=torch.bool))
-    out = layer.attend(query, 0.25)  # [B, 1, Hq, D]
+    out = cache.attend(1, query, 0.25)  # layer 1's attention, [B, 1, Hq, D]
     fp = store.padded_view()
     keys, values = layer.tier.dequantize(torch.arange(len(layer.tier)))  # out of the Hadamard basis
     assert layer.tier.rotated  # the default basis
@@ -174,8 +186,8 @@ def test_tiers_with_images_and_a_second_turn_stay_within_budget(fp_unit):
     model = tiny_model("qwen2_5_vl")
     turn1 = tiny_inputs(model, num_images=2, text_len=24, seed=0)
     turn2 = tiny_inputs(model, num_images=1, text_len=16, seed=1)
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers="int2", window=4, scorer_kwargs={"window": 4},
-                              fp_unit=fp_unit)
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.3, tiers={"window": 4, "fp_unit": fp_unit},
+                              options=CacheOptions(scorer_kwargs={"window": 4}))
     steps = record_evictions(cache)
     with torch.no_grad():
         for turn in (turn1, turn2):
@@ -199,7 +211,8 @@ def test_tiers_with_images_and_a_second_turn_stay_within_budget(fp_unit):
 def test_kivi2_quantizes_everything_but_sinks_and_residual_and_evicts_nothing():
     model = tiny_model("llama")
     tokens = random_tokens(96 + 20, vocab=model.config.vocab_size)
-    cache = vlm_kv.make_cache(model, policy="kivi2", budget=1.0, window=8, scorer_kwargs={"residual": 16})
+    cache = vlm_kv.make_cache(model, policy="kivi2", budget=1.0, tiers={"window": 8},
+                              options=CacheOptions(scorer_kwargs={"residual": 16}))
     feed_tokens(model, cache, tokens, 96)
     assert cache.evicted_entries == 0
     assert cache.num_entries() == cache.get_seq_length() * 2 * model.config.num_key_value_heads
@@ -212,8 +225,13 @@ def test_kivi2_quantizes_everything_but_sinks_and_residual_and_evicts_nothing():
         vlm_kv.make_cache(model, policy="kivi2", budget=0.1)
 
 
+def test_the_router_strategy_is_chosen_once_from_fp_unit():
+    assert isinstance(TierRouter(TierConfig()).strategy, WindowRouter)
+    assert isinstance(TierRouter(TierConfig(fp_unit="token")).strategy, EntryRouter)
+
+
 def test_route_candidates_follows_the_three_rules():
-    router = TierRouter(TierConfig(int2_share=0.5, window=8))
+    router = WindowRouter(TierConfig(int2_share=0.5, window=8))
     group = torch.zeros(6, dtype=torch.long)
     score = torch.tensor([6.0, 5, 4, 3, 2, 1])
     cost = torch.full((6,), 100)
@@ -247,7 +265,7 @@ def test_value_split_keeps_the_mix_of_fp_and_int2_worth_most():
     gen = torch.Generator().manual_seed(0)
     for trial in range(40):
         eps = [0.3, 0.5, 0.8][trial % 3]
-        router = TierRouter(TierConfig(window=8, int2_value=eps))
+        router = WindowRouter(TierConfig(window=8, int2_value=eps))
         sizes = [5, 7]
         group = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sizes)])
         value = torch.rand(group.numel(), generator=gen, dtype=torch.float64) ** 3
@@ -266,7 +284,7 @@ def test_value_split_keeps_the_mix_of_fp_and_int2_worth_most():
 
 
 def test_value_split_quantizes_less_when_the_next_windows_are_worth_little():
-    router = TierRouter(TierConfig(window=8, int2_value=0.5))
+    router = WindowRouter(TierConfig(window=8, int2_value=0.5))
     group = torch.zeros(8, dtype=torch.long)
     cost = torch.full((8,), 100)
     steep = torch.tensor([8.0, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
@@ -282,20 +300,20 @@ def test_value_split_quantizes_less_when_the_next_windows_are_worth_little():
 
 def test_int2_value_routes_within_budget_and_needs_additive_scores():
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", int2_value=0.5,
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers={"int2_value": 0.5},
                               gates=tiny_gates(model))
     steps = record_evictions(cache)
     feed_tokens(model, cache, random_tokens(64 + 48, batch=2, vocab=model.config.vocab_size), 64)
     assert steps and all(held <= allowed for held, allowed in steps)
     assert cache.stats()["per_tier"]["int2_windows"] > 0
     with pytest.raises(ValueError, match="additive window scores"):
-        vlm_kv.make_cache(model, policy="streaming_llm", budget=0.2, tiers="int2", int2_value=0.5)
+        vlm_kv.make_cache(model, policy="streaming_llm", budget=0.2, tiers={"int2_value": 0.5})
     with pytest.raises(ValueError, match="int2_value must be in"):
-        vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", int2_value=1.5)
-    with pytest.raises(ValueError, match="pass tiers='int2'"):
-        vlm_kv.make_cache(model, policy="h2o", budget=0.2, int2_value=0.5)
+        vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers={"int2_value": 1.5})
+    with pytest.raises(ValueError, match="pass tiers=int2"):
+        tiers_with_fields("h2o", None, {"int2_value": 0.5})
     with pytest.raises(ValueError, match="pass one of them"):
-        vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers="int2", int2_value=0.5, int2_share=0.3)
+        vlm_kv.make_cache(model, policy="h2o", budget=0.2, tiers={"int2_value": 0.5, "int2_share": 0.3})
 
 
 def test_window_scores_reduce_as_their_scorer_says():
@@ -309,7 +327,7 @@ def test_window_scores_reduce_as_their_scorer_says():
 
 def test_quantized_windows_round_trip_their_grid():
     keys, values = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
-    q = QuantizedWindows.quantize(keys, values)
+    q = QuantizedWindows.quantize(keys, values, "fp16")
     k, v = q.dequantize(torch.float32)
     assert (k - keys).abs().le(q.key_scale.float()[:, None, :] / 2 + 1e-6).all()
     assert (v - values).abs().le(q.value_scale.float()[:, :, None] / 2 + 1e-6).all()
@@ -323,14 +341,14 @@ def test_quantized_windows_round_trip_their_grid():
 
 
 def test_a_hadamard_tier_stores_rotated_codes_and_gives_back_the_entries():
-    from vlm_kv.tiers.int2_tier import Int2Tier
     from vlm_kv.kernels.int2 import hadamard_basis
 
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(3, 8, 16, generator=gen) * torch.linspace(0.2, 6, 16)
     values = torch.randn(3, 8, 16, generator=gen)
     values[..., 3] += 12.0  # an outlier channel stretches each token's grid
-    tier = Int2Tier(1, 3, 16, 8, torch.float32, torch.device("cpu"), basis="hadamard")
+    tier = Int2Tier(TierShape(1, 3, 16, torch.float32, torch.device("cpu")),
+                    TierConfig(window=8, key_grid="fp16", basis="hadamard"))
     h = hadamard_basis(16)
     codes = tier.quantize(keys, values)
     rotated = QuantizedWindows.quantize(keys @ h, values @ h, tier.key_grid)
@@ -346,22 +364,18 @@ def test_a_hadamard_tier_stores_rotated_codes_and_gives_back_the_entries():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"policy": "h2o", "tiers": "int2", "int2_share": 1.0}, "int2_share"),
-    ({"policy": "h2o", "tiers": "int2", "int2_share": -0.1}, "int2_share"),
-    ({"policy": "h2o", "tiers": "int2", "window": 0}, "window"),
+    ({"policy": "h2o", "tiers": {"int2_share": 1.0}}, "int2_share"),
+    ({"policy": "h2o", "tiers": {"int2_share": -0.1}}, "int2_share"),
+    ({"policy": "h2o", "tiers": {"window": 0}}, "window"),
     ({"policy": "fastv", "tiers": "int2"}, "cannot route windows"),
     ({"policy": "dbtrimkv_threshold", "tiers": "int2"}, "cannot route windows"),
     ({"policy": "h2o", "tiers": "int4"}, "tiers must be"),
-    ({"policy": "h2o", "window": 8}, "pass tiers='int2'"),
     ({"policy": "qevict", "tiers": "none"}, "tiered cache"),
-    ({"policy": "h2o", "tiers": "int2", "fp_unit": "page"}, "fp_unit"),
-    ({"policy": "h2o", "fp_unit": "token"}, "pass tiers='int2'"),
-    ({"policy": "dbtrimkv", "tiers": "int2", "fp_unit": "token", "int2_value": 0.7}, "fp_unit='token'"),
-    ({"policy": "kivi2", "budget": 1.0, "fp_unit": "token"}, "fp_unit='token'"),
-    ({"policy": "h2o", "tiers": "int2", "key_grid": "int4"}, "key_grid"),
-    ({"policy": "h2o", "key_grid": "int8"}, "pass tiers='int2'"),
-    ({"policy": "h2o", "tiers": "int2", "basis": "pca"}, "basis must be one of"),
-    ({"policy": "h2o", "basis": "hadamard"}, "pass tiers='int2'"),
+    ({"policy": "h2o", "tiers": {"fp_unit": "page"}}, "fp_unit"),
+    ({"policy": "dbtrimkv", "tiers": {"fp_unit": "token", "int2_value": 0.7}}, "fp_unit='token'"),
+    ({"policy": "kivi2", "budget": 1.0, "tiers": {"fp_unit": "token"}}, "fp_unit='token'"),
+    ({"policy": "h2o", "tiers": {"key_grid": "int4"}}, "key_grid"),
+    ({"policy": "h2o", "tiers": {"basis": "pca"}}, "basis must be one of"),
 ])
 def test_bad_tier_settings_are_refused_clearly(kwargs, match):
     model = tiny_model("llama")
@@ -369,23 +383,28 @@ def test_bad_tier_settings_are_refused_clearly(kwargs, match):
         vlm_kv.make_cache(model, **{"budget": 0.2, **kwargs})
 
 
+@pytest.mark.parametrize("fields", [{"window": 8}, {"fp_unit": "token"}, {"key_grid": "int8"}, {"basis": "hadamard"}])
+def test_tier_settings_without_a_tier_are_refused(fields):
+    """Flat settings (model arguments, grid cells) that configure a tier nobody asked for."""
+    with pytest.raises(ValueError, match=f"{next(iter(fields))}=.*pass tiers=int2"):
+        tiers_with_fields("h2o", None, fields)
+
+
 def test_chunked_prefill_routes_after_every_chunk_within_budget():
     model = tiny_model("llama")
     tokens = random_tokens(96 + 8, vocab=model.config.vocab_size)
-    cache = vlm_kv.make_cache(model, policy="qevict", budget=0.25, prefill_chunk=32)
+    cache = vlm_kv.make_cache(model, policy="qevict", budget=0.25, options=CacheOptions(prefill_chunk=32))
     steps = record_evictions(cache)
     feed_tokens(model, cache, tokens, 96)
     assert cache.chunked_prefills == 1 and len(steps) == 3 + 1  # three chunks, then one decode event
     assert all(held <= allowed for held, allowed in steps)
     full = feed_tokens(model, DynamicCache(config=model.config), tokens, 96)
-    whole = vlm_kv.make_cache(model, policy="qevict", budget=1.0, prefill_chunk=32)
+    whole = vlm_kv.make_cache(model, policy="qevict", budget=1.0, options=CacheOptions(prefill_chunk=32))
     torch.testing.assert_close(feed_tokens(model, whole, tokens, 96)[:, -8:], full[:, -8:], rtol=1e-5, atol=1e-5)
 
 
 def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(monkeypatch):
     """The torch decode path attends Hadamard windows with q @ H (no per-entry rotation): same logits."""
-    from vlm_kv.tiers.int2_tier import Int2Tier
-
     model = tiny_model("llama")
     tokens = random_tokens(64 + 24, vocab=model.config.vocab_size)
     calls = []

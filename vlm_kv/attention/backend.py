@@ -1,5 +1,8 @@
 """The compiled paths: the only caller of ``vlm_kv.kernels`` (Triton decode, varlen prefill).
-Each imports its kernel module when first used, so the runtime loads without Triton."""
+
+The store's body and tail and the INT2 tier's windows go to the kernels' public API as
+``vlm_kv.kernels.sources`` dataclasses; the Triton module is imported by the API when first used,
+so the runtime loads without Triton."""
 
 from __future__ import annotations
 
@@ -7,48 +10,57 @@ from typing import Any
 
 import torch
 
-from vlm_kv.kernels.varlen_prefill import paged_prefill_attention
+from vlm_kv.kernels.dispatch import paged_decode_attention, resolve_backend
+from vlm_kv.kernels.sources import Int2Source, PagedSource, TritonLaunch
+from vlm_kv.kernels.varlen_prefill import flash_attn_available, paged_prefill_attention
+
+# The cache has always combined its sources' partials in float32 PyTorch ops, also for a step read by
+# one launch (a body-less store): the merge kernel would move its last bits and launch a variant the
+# AOT census (vlm_kv.eval.kernel_census) does not list.
+_CACHE_LAUNCH = TritonLaunch(merge="torch")
 
 
-def _no_entries(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    """A paged source holding nothing (one-entry blocks of ``like``'s dtype), for the decode kernel."""
-    none = like.new_zeros(0, 1, like.shape[-1])
-    zeros = torch.zeros(rows, dtype=torch.int32, device=like.device)
-    return none, none, zeros[:, None], zeros
+def _body_source(store: Any) -> PagedSource:
+    """The store's body read in place as a paged source with one-entry blocks."""
+    return PagedSource(*store.paged_body())
+
+
+def _tail_source(store: Any) -> PagedSource:
+    """The store's buffer of recent tokens read in place as a paged source with one-entry blocks."""
+    return PagedSource(*store.paged_tail())
+
+
+def _int2_source(tier: Any) -> Int2Source:
+    """The tier's active windows as the kernels read them: ``Int2Tier.kernel_pools`` (codes, grids,
+    window table and counts, then the slot mask when a window has holes) and the tier's basis."""
+    pools = tier.kernel_pools()
+    return Int2Source(*pools[:8], slot_mask=pools[8] if len(pools) > 8 else None,
+                      key_basis=tier.key_basis, value_basis=tier.value_basis)
 
 
 def decode_attention_triton(query: torch.Tensor, store: Any, scaling: float | None) -> torch.Tensor:
     """``decode_attention`` through the Triton paged decode kernel: the body is read in place as a
     paged store with one-entry blocks, the tail buffer likewise; one softmax over both. [B, 1, Hq, D]."""
-    # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
-    from vlm_kv.kernels.paged_triton import paged_decode_sources_triton
-
     b, hq, _, d = query.shape
-    sources = [store.paged_body()] if store.body_size else []
-    sources.append(store.paged_tail())
-    out = paged_decode_sources_triton(query[:, :, 0].contiguous(), sources, scaling)
+    sources = [_body_source(store)] if store.body_size else []
+    sources.append(_tail_source(store))
+    out = paged_decode_attention(query[:, :, 0].contiguous(), sources, scaling=scaling, backend="triton",
+                                 validate=False, launch=_CACHE_LAUNCH)
     return out.view(b, 1, hq, d)
 
 
 def tiered_decode_attention_triton(query: torch.Tensor, store: Any, tier: Any, scaling: float | None) -> torch.Tensor:
     """Decode over a store and its INT2 tier through the Triton kernel: body (one-entry blocks) with
     the packed INT2 windows, then the tail, in one softmax; the kernel reads the 2-bit codes
-    directly. [B, 1, Hq, D]."""
-    # lazy: vlm_kv.kernels.paged_triton imports triton, which is optional
-    from vlm_kv.kernels.paged_triton import paged_decode_sources_triton
-
+    directly. Windows in a Hadamard basis are read in a launch of their own, with the rotated
+    query (``vlm_kv.kernels.sources.launch_plan``). [B, 1, Hq, D]."""
     b, hq, _, d = query.shape
     rows = store.batch_size * store.num_kv_heads
-    body = store.paged_body() if store.body_size else _no_entries(store.body_keys, rows)
-    tail = store.paged_tail()
-    int2 = tier.kernel_pools()
-    q = query[:, :, 0].contiguous()
-    if not tier.rotated:
-        out = paged_decode_sources_triton(q, [body + (int2,), tail], scaling)
-    else:  # rotated INT2 windows: their own source, read with the rotated query
-        bases = [None, (tier.key_basis, tier.value_basis), None]
-        int2_only = _no_entries(store.body_keys, rows) + (int2,)
-        out = paged_decode_sources_triton(q, [body, int2_only, tail], scaling, bases=bases)
+    keys = store.body_keys
+    body = _body_source(store) if store.body_size else PagedSource.empty(rows, keys.shape[-1], keys.dtype, keys.device)
+    sources = [body, _int2_source(tier), _tail_source(store)]
+    out = paged_decode_attention(query[:, :, 0].contiguous(), sources, scaling=scaling, backend="triton",
+                                 validate=False, launch=_CACHE_LAUNCH)
     return out.view(b, 1, hq, d)
 
 
@@ -69,7 +81,30 @@ def prefill_attention_paged(query: torch.Tensor, store: Any, scaling: float | No
     table = torch.where(cols < store.lengths[:, None], body_part, tail_part)
     table = table.clamp(0, max(keys.shape[0] - 1, 0)).to(torch.int32)
     lengths = (store.lengths + T).to(torch.int32)
-    out = paged_prefill_attention(query, keys.view(-1, 1, d), values.view(-1, 1, d), table, lengths, scaling,
-                                  causal=True, backend=backend, validate=False)
+    pages = PagedSource(keys.view(-1, 1, d), values.view(-1, 1, d), table, lengths)
+    out = paged_prefill_attention(query, pages, scaling=scaling, causal=True, backend=backend, validate=False)
     return out.transpose(1, 2)
 
+
+class AttentionPaths:
+    """The attention backend a cache was built with ("auto", "torch" or "triton"), resolved lazily:
+    the first decode step decides whether decode runs the Triton kernel (CUDA + triton for "auto")."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._triton_decode: bool | None = None
+
+    def triton_decode(self, query: torch.Tensor) -> bool:
+        """Whether decode steps run the Triton paged kernel (resolved once, on the first call)."""
+        if self._triton_decode is None:
+            if self.backend == "torch":
+                self._triton_decode = False
+            else:
+                self._triton_decode = resolve_backend(self.backend, query.device) == "triton"
+        return self._triton_decode
+
+    def flash_prefill(self, query: torch.Tensor) -> bool:
+        """Whether a prefill over a compressed store runs flash-attn's varlen function (CUDA, fp16/bf16)."""
+        if self.backend == "torch" or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        return flash_attn_available()

@@ -1,8 +1,8 @@
 """The hand-off between transformers' attention modules and a compressed cache.
 
 The model code stays untouched: its attention module calls ``cache.update`` and then the
-registered attention function. Our cache layers leave a note ("attend over me") in
-``update``; the attention function picks it up and lets the layer attend over its store.
+registered attention function. Our cache leaves a note ("attend over layer i") in ``update``;
+the attention function picks it up and lets the cache attend over that layer's store.
 Calls without a note (a DynamicCache, a vision tower, training without cache) fall through to
 transformers' SDPA path unchanged, so switching a model to ``vlm_kv`` attention never changes
 what it computes with other caches.
@@ -11,7 +11,8 @@ what it computes with other caches.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -29,18 +30,36 @@ class AttentionBypassError(RuntimeError):
     """A compressed cache's entries would be bypassed: the model computed something else."""
 
 
-def hand_over(layer: Any) -> None:
-    """Called by a cache layer's ``update``: the next attention call of this thread is ours.
+class Attends(Protocol):
+    """What a compressed cache offers the attention function: attention of the new queries over
+    what layer ``layer_idx`` holds, [B, Q, Hq, D]."""
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Note:
+    """A cache's note to the next attention call: attend over layer ``layer_idx`` of ``cache``."""
+
+    cache: Attends
+    layer_idx: int
+
+    def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        return self.cache.attend(self.layer_idx, query, scaling)
+
+
+def hand_over(cache: Attends, layer_idx: int) -> None:
+    """Called by a compressed cache's ``update``: the next attention call of this thread is ours.
 
     A hand-off still pending means the previous layer's attention never reached the ``vlm_kv``
     function (the attention implementation was switched after ``make_cache``): its output was
     computed from the new tokens alone, so we stop rather than return something else.
     """
-    previous = getattr(_pending, "layer", None)
+    previous = getattr(_pending, "note", None)
     if previous is not None:
-        _pending.layer = None
+        _pending.note = None
         raise AttentionBypassError(unconsumed_message(previous.layer_idx))
-    _pending.layer = layer
+    _pending.note = Note(cache, layer_idx)
 
 
 def unconsumed_message(layer_idx: int) -> str:
@@ -54,28 +73,28 @@ def unconsumed_message(layer_idx: int) -> str:
 
 def begin_forward() -> None:
     """A forward with a compressed cache starts: every vlm_kv attention call must be handed a layer."""
-    _pending.layer = None
+    _pending.note = None
     _pending.active = True
 
 
 def end_forward() -> None:
     """The forward ended; a hand-off still pending was never consumed."""
     _pending.active = False
-    layer = getattr(_pending, "layer", None)
-    _pending.layer = None
-    if layer is not None:
-        raise AttentionBypassError(unconsumed_message(layer.layer_idx))
+    note = getattr(_pending, "note", None)
+    _pending.note = None
+    if note is not None:
+        raise AttentionBypassError(unconsumed_message(note.layer_idx))
 
 
 def end_forward_quietly() -> None:
     """The forward raised: forget its state without judging it."""
     _pending.active = False
-    _pending.layer = None
+    _pending.note = None
 
 
-def _take_pending(module: torch.nn.Module) -> Any:
-    layer = getattr(_pending, "layer", None)
-    if layer is None:
+def _take_pending(module: torch.nn.Module) -> Note | None:
+    note = getattr(_pending, "note", None)
+    if note is None:
         if getattr(_pending, "active", False) and getattr(_pending, "log_beta", None) is None:
             raise AttentionBypassError(
                 f"vlm_kv attention ran for layer {getattr(module, 'layer_idx', '?')} without cache.update: "
@@ -83,14 +102,15 @@ def _take_pending(module: torch.nn.Module) -> Any:
                 "right before attention"
             )
         return None
-    _pending.layer = None
+    _pending.note = None
     idx = getattr(module, "layer_idx", None)
-    if idx is not None and idx != layer.layer_idx:
+    if idx is not None and idx != note.layer_idx:
         raise AttentionBypassError(
-            f"vlm_kv attention got layer {idx} but the cache prepared layer {layer.layer_idx}; "
+            f"vlm_kv attention got layer {idx} but the cache prepared layer {note.layer_idx}; "
             "the model must call cache.update right before attention"
         )
-    return layer
+    return note
+
 
 def stash_log_beta(log_beta: torch.Tensor | None) -> None:
     """Soft retention for training: the next attention call of this thread adds
@@ -108,14 +128,14 @@ def vlm_kv_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    layer = _take_pending(module)
+    note = _take_pending(module)
     log_beta = getattr(_pending, "log_beta", None)
-    if layer is None and log_beta is not None:
+    if note is None and log_beta is not None:
         _pending.log_beta = None
         return soft_retention_attention(query, key, value, log_beta, attention_mask, scaling), None
-    if layer is None:
+    if note is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return layer.attend(query, scaling), None
+    return note.attend(query, scaling), None
 
 
 _registered = False

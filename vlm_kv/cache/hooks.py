@@ -10,13 +10,15 @@ gated cache on the hidden state the q/k/v projections see.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
 from vlm_kv.attention import handoff
-from vlm_kv.cache.cache import CacheMisuseError, CompressedCache
+from vlm_kv.cache.cache import CompressedCache
 from vlm_kv.models.adapters import ModelAdapter, get_adapter
+from vlm_kv.storage.ledger import CacheMisuseError
 
 # inputs whose tokens belong to images or videos: a forward carrying them is prefilled in one
 # piece, because the model computes M-RoPE positions and merges vision features over the
@@ -28,6 +30,20 @@ def _cache_of(kwargs: dict) -> Any:
     # transformers 5.x renames `past_key_values` to `cache`; accept both spellings
     cache = kwargs.get("cache")
     return cache if cache is not None else kwargs.get("past_key_values")
+
+
+@contextmanager
+def eager_attention(model: torch.nn.Module) -> Iterator[ModelAdapter]:
+    """Eager attention for the block (the only implementation that returns probabilities with
+    ``output_attentions``), then the implementation the language model had; yields its adapter."""
+    adapter = get_adapter(model)
+    before = language_attn_implementation(model, adapter)
+    model.set_attn_implementation("eager")
+    try:
+        yield adapter
+    finally:
+        if before is not None and before != "eager":
+            model.set_attn_implementation(before)
 
 
 def language_attn_implementation(model: torch.nn.Module, adapter: ModelAdapter) -> str | None:
@@ -130,10 +146,10 @@ def inference_gate_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
     cache = _cache_of(kwargs)
     if isinstance(cache, CompressedCache) and cache.gates is not None and hidden is not None:
         if hidden.shape[1] == 1:  # a decode step: batched with every layer at the end of the forward
-            cache.defer_gate(module.layer_idx, hidden)
+            cache.gate_handoff.defer(module.layer_idx, hidden)
             return
         with torch.no_grad():
-            cache.stash_log_beta(module.layer_idx, cache.gates.log_beta(module.layer_idx, hidden))
+            cache.gate_handoff.stash_log_beta(module.layer_idx, cache.gates.log_beta(module.layer_idx, hidden))
 
 
 def attach(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> ModelAdapter:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlm_kv.cache.tiered_layer import TieredLayer
 from vlm_kv.models.adapters import MODALITIES
-from vlm_kv.storage.store import tensor_bytes
 
 if TYPE_CHECKING:
     from vlm_kv.cache.cache import CompressedCache
@@ -24,7 +24,7 @@ def _stores(cache: "CompressedCache") -> list:
 
 
 def _tiers(cache: "CompressedCache") -> list:
-    return [layer.tier for layer in cache.layers if getattr(layer, "tier", None) is not None]
+    return [layer.tier for layer in cache.layers if isinstance(layer, TieredLayer) and layer.tier is not None]
 
 
 def modality_totals(cache: "CompressedCache", weight_by_bytes: bool) -> dict[str, int]:
@@ -60,11 +60,11 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
     spare tail capacity (at most ``evict_every`` tokens per head, released at each eviction step).
     ``total`` and ``held`` are the cache's device memory; the spill tier's host copies are only in
     ``per_tier["spill"]`` (so ``per_tier`` sums to ``total + per_tier["spill"]``)."""
-    per_layer = [layer_kv_bytes(layer) for layer in cache.layers]
+    per_layer = [layer.kv_bytes() for layer in cache.layers]
     total = sum(per_layer)  # = total_kv_bytes(cache)
     metadata = sum(store.meta_bytes() for store in _stores(cache)) + sum(t.meta_bytes() for t in _tiers(cache))
     query_window = sum(layer.query_window_bytes() for layer in cache.layers)
-    gate_stash = tensor_bytes(*cache.gate_stash.values(), cache.gate_inputs)
+    gate_stash = cache.gate_handoff.held_bytes()
     return {
         "total": total,
         "per_layer": per_layer,
@@ -80,21 +80,13 @@ def kv_bytes(cache: "CompressedCache") -> dict[str, Any]:
 
 def total_kv_bytes(cache: "CompressedCache") -> int:
     """``kv_bytes()["total"]`` alone, without the breakdowns (what hot paths track)."""
-    return sum(layer_kv_bytes(layer) for layer in cache.layers)
-
-
-def layer_kv_bytes(layer) -> int:
-    """Key/value bytes one layer holds, over its tiers."""
-    if layer.store is None:
-        return 0
-    tier = getattr(layer, "tier", None)
-    return layer.store.kv_bytes() + (sum(tier.tier_bytes().values()) if tier is not None else 0)
+    return sum(layer.kv_bytes() for layer in cache.layers)
 
 
 def stats(cache: "CompressedCache") -> dict[str, Any]:
     """Entry counts: total, per layer, per modality, per-head length spread, eviction steps."""
     per_layer = [layer.num_entries() for layer in cache.layers]
-    lengths = [_head_lengths(layer) for layer in cache.layers if layer.store is not None]
+    lengths = [layer.head_lengths() for layer in cache.layers if layer.store is not None]
     heads = torch.cat(lengths).float() if lengths else torch.zeros(1)
     return {
         "policy": cache.policy_name,
@@ -108,12 +100,6 @@ def stats(cache: "CompressedCache") -> dict[str, Any]:
         "evicted_entries": cache.evictor.evicted_entries,
         "per_tier": tier_stats(cache),
     }
-
-
-def _head_lengths(layer) -> torch.Tensor:
-    lengths = layer.store.head_lengths().flatten().cpu()
-    tier = getattr(layer, "tier", None)
-    return lengths + tier.entries_per_row().cpu() if tier is not None else lengths
 
 
 def tier_stats(cache: "CompressedCache") -> dict[str, int]:
@@ -145,23 +131,7 @@ def budget_bytes(cache: "CompressedCache") -> int:
 
 def full_kv_bytes(cache: "CompressedCache") -> int:
     """Bytes an uncompressed DynamicCache would hold for the same tokens."""
-    return sum(full_layer_bytes(layer) for layer in cache.layers)
-
-
-def full_layer_bytes(layer) -> int:
-    """Bytes a DynamicCache layer would hold for the tokens this layer has seen (padding included)."""
-    if layer.store is None:
-        return 0
-    return layer.store.batch_size * layer.store.num_kv_heads * layer.seen * layer.store.bytes_per_entry
-
-
-def layer_held_bytes(layer) -> int:
-    """Everything one layer keeps: keys and values over its tiers, their metadata, its remembered queries."""
-    if layer.store is None:
-        return 0
-    tier = getattr(layer, "tier", None)
-    meta = layer.store.meta_bytes() + (tier.meta_bytes() if tier is not None else 0)
-    return layer_kv_bytes(layer) + meta + layer.query_window_bytes()
+    return sum(layer.full_bytes() for layer in cache.layers)
 
 
 def cache_bytes(cache: Any) -> int:

@@ -8,7 +8,7 @@ allocation choose the kept entries, and compacts each layer's store.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -16,7 +16,18 @@ from vlm_kv.storage.allocation import Allocation, GlobalTopK
 from vlm_kv.config import Budget
 from vlm_kv.storage.ledger import TokenLedger
 from vlm_kv.policies.base import ScoreContext, Scorer, protect, protected_counts
-from vlm_kv.storage.store import PaddedView
+from vlm_kv.storage.store import PaddedView, VarlenKVStore
+
+
+class EvictedLayer(Protocol):
+    """What an eviction step reads of a cache layer: its store and what its scorer's context needs."""
+
+    layer_idx: int
+    seen: int
+    scaling: float | None
+    store: VarlenKVStore
+    window_queries: torch.Tensor | None   # [B, Hq, w, D] the layer's recent queries
+    window_positions: torch.Tensor | None
 
 
 class Evictor:
@@ -84,8 +95,8 @@ class Evictor:
         windows = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=caps.device)
         return sinks, windows
 
-    def layer_scores(self, scorer: Scorer, layer, view, cap_layer: torch.Tensor, ledger: TokenLedger,
-                num_layers: int) -> torch.Tensor:
+    def layer_scores(self, scorer: Scorer, layer: EvictedLayer, view: PaddedView, cap_layer: torch.Tensor,
+                     ledger: TokenLedger, num_layers: int) -> torch.Tensor:
         scorer = scorer.for_layer(layer.layer_idx)
         ctx = ScoreContext(
             layer_idx=layer.layer_idx,
@@ -113,13 +124,13 @@ class Evictor:
         self.eviction_steps += 1
         self.evicted_entries += entries_before - entries_after
 
-    def global_scores(self, scorer: Scorer, layer, caps: torch.Tensor, ledger: TokenLedger,
+    def global_scores(self, scorer: Scorer, layer: EvictedLayer, caps: torch.Tensor, ledger: TokenLedger,
                       num_layers: int) -> tuple[torch.Tensor, PaddedView]:
         """One layer's scores for a global allocation (every layer at the sequence's capacity), and the view."""
         view = layer.store.padded_view(with_values=False, states=self.scorer.state_names)
         return self.layer_scores(scorer, layer, view, caps, ledger, num_layers), view
 
-    def keep_layer(self, scorer: Scorer, step_allocation: Allocation, layer, caps: torch.Tensor,
+    def keep_layer(self, scorer: Scorer, step_allocation: Allocation, layer: EvictedLayer, caps: torch.Tensor,
                    ledger: TokenLedger, num_layers: int) -> torch.Tensor:
         """Keep mask of one layer under a per-layer (not global) allocation."""
         allocation = step_allocation.for_layer(layer.layer_idx)
@@ -129,7 +140,7 @@ class Evictor:
         return allocation.keep_layer(self.layer_scores(scorer, layer, view, cap_layer, ledger, num_layers), cap_layer)
 
     @torch.no_grad()
-    def evict(self, layers: Sequence, ledger: TokenLedger) -> None:
+    def evict(self, layers: Sequence[EvictedLayer], ledger: TokenLedger) -> None:
         """One eviction step over every layer; afterwards the cache holds at most its budget."""
         caps, scorer, step_allocation = self.begin_step(ledger)
         before = sum(layer.store.num_entries() for layer in layers)
@@ -158,7 +169,7 @@ class Evictor:
         return LayerwiseStep(caps, scorer, step_allocation, num_layers)
 
     @torch.no_grad()
-    def evict_layer(self, step: "LayerwiseStep", layer, ledger: TokenLedger) -> None:
+    def evict_layer(self, step: "LayerwiseStep", layer: EvictedLayer, ledger: TokenLedger) -> None:
         """Evict from one layer what the step will not keep, as soon as its attention has run."""
         entries = layer.store.num_entries()
         if step.allocation.is_global:
@@ -171,7 +182,7 @@ class Evictor:
         layer.store.compact(keep)
 
     @torch.no_grad()
-    def finish_layerwise(self, step: "LayerwiseStep", layers: Sequence, ledger: TokenLedger) -> None:
+    def finish_layerwise(self, step: "LayerwiseStep", layers: Sequence[EvictedLayer], ledger: TokenLedger) -> None:
         """End of the prefill: a global step now chooses exactly among what is left; a per-layer
         step evicts the layers that did not attend (if any) and closes the step."""
         if step.allocation.is_global:

@@ -29,11 +29,29 @@ class ForwardRecord:
     all_valid: bool = True  # no padding among these tokens (checked once per forward, not per layer)
 
 
+@dataclass(frozen=True)
+class Announcement:
+    """What a forward's inputs said before it ran: modality codes and validity [B, Q], each None
+    where the inputs did not say (embeddings without ids, no 2-D attention mask)."""
+
+    modality: torch.Tensor | None
+    valid: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Per sequence: real tokens seen and the position of the first one ([B] each, None before any)."""
+
+    valid_tokens: torch.Tensor | None
+    first_positions: torch.Tensor | None
+
+
 class TokenLedger:
     def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
-        self._announced: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+        self._announced: Announcement | None = None
         self._current: ForwardRecord | None = None
+        self._before: Counts | None = None  # the counts before the forward in flight (to undo it)
         self.valid_tokens: torch.Tensor | None = None     # [B] real tokens seen per sequence
         self.first_positions: torch.Tensor | None = None  # [B] position of each sequence's first real token
         self.seen = 0                                     # tokens seen (padding included): the next position
@@ -44,7 +62,7 @@ class TokenLedger:
         valid = None
         if attention_mask is not None and attention_mask.dim() == 2 and q_len is not None:
             valid = attention_mask[:, -q_len:].bool()
-        self._announced = (modality, valid)
+        self._announced = Announcement(modality, valid)
         self._current = None
 
     def enter(self, batch: int, q: int, device: torch.device) -> ForwardRecord:
@@ -57,7 +75,7 @@ class TokenLedger:
                 "was built by vlm_kv.make_cache for another model, or this model was never prepared with "
                 "vlm_kv.make_cache / vlm_kv.attach; build a new cache with vlm_kv.make_cache(model, ...)"
             )
-        modality, valid = self._announced
+        modality, valid = self._announced.modality, self._announced.valid
         self._announced = None
         if modality is None or modality.shape != (batch, q):
             modality = torch.zeros(batch, q, dtype=torch.uint8, device=device)
@@ -65,7 +83,7 @@ class TokenLedger:
             valid = torch.ones(batch, q, dtype=torch.bool, device=device)
         valid = valid.to(device)
         self._current = ForwardRecord(modality.to(device), valid, bool(valid.all()))
-        self._before = (self.valid_tokens, self.first_positions)
+        self._before = Counts(self.valid_tokens, self.first_positions)
         self._count(self._current.valid)
         return self._current
 
@@ -81,7 +99,7 @@ class TokenLedger:
     def abort_forward(self) -> None:
         """The forward raised: forget its tokens, as if it never ran."""
         if self._current is not None:
-            self.valid_tokens, self.first_positions = self._before
+            self.valid_tokens, self.first_positions = self._before.valid_tokens, self._before.first_positions
         self._current = self._announced = None
 
     def _count(self, valid: torch.Tensor) -> None:

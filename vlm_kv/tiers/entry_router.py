@@ -16,291 +16,320 @@ window-routed cache with no INT2 share (``int2_share=0``) has KL 0.0956 at budge
   ledger while any of its entries is alive in either tier (dormant when all are FP).
 
 Bytes are charged exactly as held: ``b_tok`` per FP entry, one quantized window (``b_q``) per
-window kept in the ledger, active or dormant. The three rules of ``tier_router`` carry over with
-entries in place of FP windows: (1) everything fits in FP: all FP; (2) the most top entries in FP
-such that every other entry fits in INT2 windows; (3) the top entries within ``(1 - q)`` of the
-routed bytes in FP, then windows in INT2 while bytes last, the rest evicted.
+window kept in the ledger, active or dormant. The three rules of the window router
+(``vlm_kv.tiers.window_router``) carry over with entries in place of FP windows: (1) everything
+fits in FP: all FP; (2) the most top entries in FP such that every other entry fits in INT2
+windows; (3) the top entries within ``(1 - q)`` of the routed bytes in FP, then windows in INT2
+while bytes last, the rest evicted.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from vlm_kv.storage.allocation import HeadAdaptive, top_k_mask
-from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows, SpillCopies
+from vlm_kv.config import TierConfig
+from vlm_kv.policies.base import Scorer
+from vlm_kv.storage.allocation import Allocation
 from vlm_kv.storage.store import Entries
-from vlm_kv.tiers.windows import EVICT, FP, INT2, gather_windows, reduce_windows, row_groups, window_of
+from vlm_kv.tiers.groups import (
+    GroupBytes,
+    Ranking,
+    cat_records,
+    exclusive_cumsum,
+    per_layer,
+    segment_counts,
+)
+from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows, RefreshedSlots, SpillCopies
+from vlm_kv.tiers.routing import LayerRouting, RoutedLayer
+from vlm_kv.tiers.windows import (
+    EVICT,
+    FP,
+    INT2,
+    gather_windows,
+    reduce_windows,
+    window_of,
+)
 
 
-def _segment_counts(index: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
+@dataclass
+class EntryRecords:
+    """The valid entries of a routing event (FP and INT2 alike), flat over layers."""
+
+    group: torch.Tensor   # ranking group
+    score: torch.Tensor   # the entry's own score (protected +inf)
+    win: torch.Tensor     # its window, flat over the event's windows (``EventWindows``)
+    forced: torch.Tensor  # protected, or in an incomplete window: stays FP
+    btok: torch.Tensor    # its FP bytes
+    layer: torch.Tensor   # layer index
+    index: torch.Tensor   # flat place in its layer's [B, H, Lf + Lq] scores
 
 
-def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts, 0) - counts
+@dataclass
+class EventWindows:
+    """Every (layer, row, window) of a routing event, flat: layer ``li``'s windows are
+    ``offsets[li] .. offsets[li] + sizes[li]``."""
+
+    group: torch.Tensor   # [count] ranking group
+    ledger: torch.Tensor  # [count] the ledger holds the window (active or dormant)
+    forced: torch.Tensor  # [count] the window holds a forced entry
+    offsets: list[int]
+    sizes: list[int]
+    reduces: list[str]    # each layer's scorer window reduction
+
+    @property
+    def count(self) -> int:
+        return int(self.group.numel())
 
 
-def decide_entries(config, layers: Sequence, routings: Sequence, allocation, scorer,
-                   share: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer: [B, H, Lf + Lq] decisions (FP / INT2 / EVICT) of every entry, laid out like the
-    routing's scores, and [B, H] fallback rows. ``share`` [B]: each sequence's INT2 share q."""
-    mode = "global" if allocation.is_global else "layer" if isinstance(allocation, HeadAdaptive) else "row"
-    device = routings[0].scores.device
-    B, H = routings[0].scores.shape[:2]
-    b_q = layers[0].tier.window_bytes()
+@dataclass
+class EntryBudget:
+    """What the routed entries of each group may spend."""
 
-    ent = {k: [] for k in ("group", "score", "win", "forced", "btok", "layer", "index")}
-    win_group, win_ledger, win_offsets = [], [], []
-    row_bytes, row_group, row_batch = [], [], []
-    offset = 0
-    for li, (layer, r) in enumerate(zip(layers, routings)):
+    free: torch.Tensor   # [groups] bytes left after the forced entries and their ledgered windows (M - P)
+    share: torch.Tensor  # [groups] float64 INT2 share q of the group's sequence
+    groups: int
+    window_bytes: int    # b_q: one quantized window
+
+
+class EntryRouter:
+    """FP chosen per entry, INT2 per window with holes (``fp_unit="token"``)."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting], allocation: Allocation,
+               scorer: Scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer: [B, H, Lf + Lq] decisions (FP / INT2 / EVICT) of every entry, laid out like the
+        routing's scores, and [B, H] fallback rows."""
+        groups = GroupBytes.of(allocation, layers, routings)
+        device = routings[0].scores.device
+        b_q = layers[0].tier.window_bytes()
+        # every group lies in one sequence: its INT2 share is that sequence's
+        share = self.config.share_for(routings[0].budget_fraction)  # [B]
+        q = share.to(device=device, dtype=torch.float64)[groups.sequence_of_groups()]
+        e, windows = self._entries(layers, routings, scorer, groups)
+
+        # forced entries are FP; a ledgered window holding one is kept (dormant or active) and paid here
+        windows.forced[e.win[e.forced]] = True
+        forced_cost = groups.total(e.group, e.btok * e.forced)
+        forced_cost.index_add_(0, windows.group, (windows.forced & windows.ledger).long() * b_q)
+        free = groups.budget - forced_cost
+        fallback_group = free < 0
+
+        decision = torch.full_like(e.group, EVICT)
+        decision[e.forced] = FP
+        cand = torch.nonzero(~e.forced).flatten()
+        if cand.numel():
+            decision[cand] = self._route_entries(cand, e, windows, EntryBudget(free, q, groups.count, b_q))
+        decision[fallback_group[e.group] & ~e.forced] = EVICT
+        decisions = per_layer(decision, e.layer, e.index, [tuple(r.scores.shape) for r in routings])
+        return decisions, groups.fallback_rows(fallback_group)
+
+    @staticmethod
+    def _entries(layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting], scorer: Scorer,
+                 groups: GroupBytes) -> tuple[EntryRecords, EventWindows]:
+        """The event's valid entries and its windows (``forced`` still unset)."""
+        device = routings[0].scores.device
+        B, H = groups.batch_size, groups.num_kv_heads
+        parts, win_group, win_ledger, offsets, sizes, reduces = [], [], [], [], [], []
+        offset = 0
+        for li, (layer, r) in enumerate(zip(layers, routings)):
+            Wn = r.num_windows
+            size = B * H * Wn
+            groups_of_rows = groups.rows[li]
+            row_id = torch.arange(B * H, device=device).view(B, H, 1)
+            wid = r.window_ids(r.positions)
+            flat = (row_id * Wn + wid).reshape(-1)
+            valid = r.valid.reshape(-1)
+            scores = r.scores.reshape(-1)
+            pinned = valid & ((scores == float("inf")) | r.incomplete(wid, layer.seen).reshape(-1))
+            idx = torch.nonzero(valid).flatten()
+            parts.append(EntryRecords(
+                group=groups_of_rows[flat[idx] // Wn], score=scores[idx], win=flat[idx] + offset, forced=pinned[idx],
+                btok=torch.full_like(idx, layer.store.bytes_per_entry), layer=torch.full_like(idx, li), index=idx,
+            ))
+            ledger = torch.zeros(size, dtype=torch.bool, device=device)
+            if len(layer.tier):
+                ledger[layer.tier.row * Wn + layer.tier.window_id] = True
+            win_group.append(groups_of_rows[torch.arange(size, device=device) // Wn])
+            win_ledger.append(ledger)
+            offsets.append(offset)
+            sizes.append(size)
+            reduces.append(scorer.for_layer(layer.layer_idx).window_reduce)
+            offset += size
+        w_group = torch.cat(win_group)
+        windows = EventWindows(w_group, torch.cat(win_ledger), torch.zeros(offset, dtype=torch.bool, device=device),
+                               offsets, sizes, reduces)
+        return cat_records(parts), windows
+
+    def _route_entries(self, cand: torch.Tensor, e: EntryRecords, windows: EventWindows,
+                       budget: EntryBudget) -> torch.Tensor:
+        """Decisions of the non-forced entries ``cand`` (indices into ``e``)."""
+        device = cand.device
+        free, q, groups, b_q = budget.free, budget.share, budget.groups, budget.window_bytes
+        w_group, w_ledger, w_forced, NW = windows.group, windows.ledger, windows.forced, windows.count
+        ranking = Ranking.by_score(e.group[cand], e.score[cand], groups)
+        order = ranking.order
+        g, rank, n, start = ranking.group, ranking.rank, ranking.counts, ranking.start
+        win, btok = e.win[cand][order], e.btok[cand][order]
+        N = g.numel()
+        pos = torch.arange(N, device=device)
+
+        first = torch.full((NW,), N, dtype=torch.long, device=device).scatter_reduce_(0, win, pos, reduce="amin")
+        last = torch.full((NW,), -1, dtype=torch.long, device=device).scatter_reduce_(0, win, pos, reduce="amax")
+        # the best-ranked entry of a ledgered window pays for keeping it, unless a forced entry already does
+        pays_ledger = (first[win] == pos) & w_ledger[win] & ~w_forced[win]
+        cost = btok + b_q * pays_ledger.long()
+        cum, group_cost = ranking.cumsum(cost)  # inclusive, within group
+        all_fp = group_cost <= free  # rule 1
+
+        # INT2 bytes if the top ``rank`` entries are FP: windows with an entry ranked lower, except those
+        # already paid (ledgered with a forced entry, or with an FP entry ranked above)
+        has_cand = last >= 0
+        chargeable = has_cand & ~(w_ledger & w_forced)
+        hist_last = segment_counts(last[chargeable], N + 1)
+        suffix = torch.flip(torch.cumsum(torch.flip(hist_last, [0]), 0), [0])  # windows with last >= p
+        end = start + n
+        above = suffix[pos] - suffix[end[g]]
+        paid = chargeable & w_ledger
+        pf = exclusive_cumsum(segment_counts(first[paid], N + 1))  # paid windows with first < p
+        pl = exclusive_cumsum(segment_counts(last[paid], N + 1))
+        prepaid = (pf[pos] - pf[start[g]]) - (pl[pos] - pl[start[g]])  # paid windows with first < p <= last
+        fits = (cum - cost) + b_q * (above - prepaid) <= free[g]
+        n_fit = torch.full((groups,), -1, dtype=torch.long, device=device).scatter_reduce_(0, g[fits], rank[fits], reduce="amax")
+        # rule 3
+        fp_spec = cum <= (1.0 - q[g]) * free[g].double()
+        n_spec = ranking.totals(fp_spec.long())
+        used = ranking.totals(cost * fp_spec)
+        use_fit = (n_fit >= 0) & (n_fit >= n_spec) & (q > 0)
+        n_fp = torch.where(use_fit, n_fit, n_spec)
+        n_fp = torch.where(all_fp, n, n_fp)
+
+        is_fp = rank < n_fp[g]
+        # windows with an entry left out of FP compete for INT2; paid ones take it at no extra cost
+        rest_win = win[~is_fp]
+        w_rest = torch.zeros(NW, dtype=torch.bool, device=device)
+        w_rest[rest_win] = True
+        paid_now = w_ledger & (w_forced | (first < (start + n_fp)[w_group]))
+        w_paid = w_rest & paid_now
+        w_int2 = w_paid.clone()
+        w_int2 |= w_rest & use_fit[w_group]
+        contest = w_rest & ~w_paid & ~use_fit[w_group] & ~all_fp[w_group]
+        contest &= (q > 0)[w_group]
+        if bool(contest.any()):
+            wscore = self._window_scores(cand[order][~is_fp], e, windows)
+            ids = torch.nonzero(contest).flatten()
+            by_window = Ranking.by_score(w_group[ids], wscore[ids], groups)
+            ids = ids[by_window.order]
+            slots = torch.div((free - used).clamp(min=0), b_q, rounding_mode="floor")
+            w_int2[ids[by_window.rank < slots[by_window.group]]] = True
+
+        out = torch.where(is_fp, FP, torch.where(w_int2[win], INT2, EVICT))
+        return ranking.unrank(out)
+
+    @staticmethod
+    def _window_scores(entries: torch.Tensor, e: EntryRecords, windows: EventWindows) -> torch.Tensor:
+        """[windows.count] window scores reduced over the entries ``entries`` (indices into ``e``), per
+        layer's scorer reduction."""
+        out = torch.full((windows.count,), float("-inf"), dtype=torch.float64, device=entries.device)
+        lay = e.layer[entries]
+        for li, (offset, size, reduce) in enumerate(zip(windows.offsets, windows.sizes, windows.reduces)):
+            mine = entries[lay == li]
+            if mine.numel() == 0:
+                continue
+            out[offset : offset + size] = reduce_windows(e.score[mine], e.win[mine] - offset, size, reduce)
+        return out
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, layer: RoutedLayer, r: LayerRouting, decision: torch.Tensor, fallback: torch.Tensor) -> None:
+        """Carry out one layer's entry decisions: FP entries kept, demoted into (new or ledgered)
+        windows or dropped; INT2 slots kept, promoted alone or dropped; windows kept while any of
+        their entries lives."""
+        store, tier = layer.store, layer.tier
+        w = self.config.window
+        B, H = decision.shape[:2]
         Wn = r.num_windows
-        size = B * H * Wn
-        groups_of_rows = row_groups(mode, li, B, H, device)
-        row_group.append(groups_of_rows)
-        row_batch.append(torch.arange(B * H, device=device) // H)
-        row_bytes.append(r.cap.view(B, 1).expand(B, H).reshape(-1) * layer.store.bytes_per_entry)
-        row_id = torch.arange(B * H, device=device).view(B, H, 1)
-        wid = r.window_ids(r.positions)
-        flat = (row_id * Wn + wid).reshape(-1)
-        valid = r.valid.reshape(-1)
-        scores = r.scores.reshape(-1)
-        pinned = valid & ((scores == float("inf")) | r.incomplete(wid, layer.seen).reshape(-1))
-        idx = torch.nonzero(valid).flatten()
-        ent["group"].append(groups_of_rows[flat[idx] // Wn])
-        ent["score"].append(scores[idx])
-        ent["win"].append(flat[idx] + offset)
-        ent["forced"].append(pinned[idx])
-        ent["btok"].append(torch.full_like(idx, layer.store.bytes_per_entry))
-        ent["layer"].append(torch.full_like(idx, li))
-        ent["index"].append(idx)
-        ledger = torch.zeros(size, dtype=torch.bool, device=device)
-        if len(layer.tier):
-            ledger[layer.tier.row * Wn + layer.tier.window_id] = True
-        win_group.append(groups_of_rows[torch.arange(size, device=device) // Wn])
-        win_ledger.append(ledger)
-        win_offsets.append(offset)
-        offset += size
-    e = {k: torch.cat(v) for k, v in ent.items()}
-    NW = offset
-    w_group, w_ledger = torch.cat(win_group), torch.cat(win_ledger)
-    groups = int(torch.cat(row_group).max()) + 1
-    budget = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, torch.cat(row_group), torch.cat(row_bytes))
-    # every group lies in one sequence: its INT2 share is that sequence's
-    group_batch = torch.zeros(groups, dtype=torch.long, device=device).index_put_((torch.cat(row_group),), torch.cat(row_batch))
-    q = share.to(device=device, dtype=torch.float64)[group_batch]
+        Lf = r.fp.length
+        dec_fp, dec_t = decision[..., :Lf], decision[..., Lf:]
+        rows_fallback = fallback[..., None]
+        keep_fp, demote = r.fp_moves(dec_fp, fallback)
+        slot = r.tier_slot
+        t_valid = slot >= 0
+        stay = t_valid & (dec_t == INT2) & ~rows_fallback
+        promote = t_valid & (dec_t == FP) & ~rows_fallback
 
-    # forced entries are FP; a ledgered window holding one is kept (dormant or active) and paid here
-    w_forced = torch.zeros(NW, dtype=torch.bool, device=device)
-    w_forced[e["win"][e["forced"]]] = True
-    forced_cost = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, e["group"], e["btok"] * e["forced"])
-    forced_cost.index_add_(0, w_group, (w_forced & w_ledger).long() * b_q)
-    free = budget - forced_cost
-    fallback_group = free < 0
+        n = len(tier)
+        dev = decision.device
+        lookup = r.ledger_lookup(tier)
+        row_of = torch.arange(B * H, device=dev).view(B, H, 1)
 
-    decision = torch.full_like(e["group"], EVICT)
-    decision[e["forced"]] = FP
-    cand = torch.nonzero(~e["forced"]).flatten()
-    if cand.numel():
-        decision[cand] = _route_entries(cand, e, w_group, w_ledger, w_forced, free, b_q, q, groups, NW,
-                                        layers, routings, win_offsets, scorer)
-    decision[fallback_group[e["group"]] & ~e["forced"]] = EVICT
+        def ledger_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+            b, h, l = torch.nonzero(mask, as_tuple=True)
+            p = r.fp.positions[b, h, l]
+            return lookup[(b * H + h) * Wn + window_of(p, r.origin[b], w)], p, (b, h, l)
 
-    decisions, fallbacks = [], []
-    for li, r in enumerate(routings):
-        mine = e["layer"] == li
-        dec = torch.full((r.scores.numel(),), EVICT, dtype=torch.long, device=device)
-        dec[e["index"][mine]] = decision[mine]
-        decisions.append(dec.view_as(r.scores))
-        fallbacks.append(fallback_group[row_group[li]].view(B, H))
-    return decisions, fallbacks
+        new_pos = torch.full((n, w), -1, dtype=tier.positions.dtype, device=dev)
+        new_mod = tier.modality.clone()
+        new_state = {k: v.clone() for k, v in tier.state.items()}
+        if n:
+            s = slot[stay]
+            new_pos.view(-1)[s] = tier.positions.view(-1)[s]
+        li, p, (b, h, l) = ledger_index(demote)
+        reused = li >= 0
+        if bool(reused.any()):
+            at = li[reused] * w + (p[reused] - r.origin[b[reused]]) % w  # the entry's slot in its window
+            new_pos.view(-1)[at] = p[reused].to(new_pos.dtype)
+            new_mod.view(-1)[at] = r.fp.modality[b, h, l][reused]
+            for k in new_state:
+                new_state[k].view(-1)[at] = r.fp.state[k][b, h, l][reused]
+        has_fp = torch.zeros(n, dtype=torch.bool, device=dev)
+        kli, _, _ = ledger_index(keep_fp)
+        has_fp[kli[kli >= 0]] = True
+        if n:
+            has_fp[slot[promote] // w] = True
+        active = (new_pos >= 0).any(dim=1)
+        keep = (active | has_fp) & ~fallback.reshape(-1)[tier.row] if n else active
 
-
-def _route_entries(cand, e, w_group, w_ledger, w_forced, free, b_q, q, groups, NW,
-                   layers, routings, win_offsets, scorer) -> torch.Tensor:
-    """Decisions of the non-forced entries ``cand`` (indices into ``e``); ``q`` [groups] INT2 shares."""
-    device = cand.device
-    score = e["score"][cand]
-    by_score = torch.argsort(score, descending=True, stable=True)
-    order = by_score[torch.argsort(e["group"][cand][by_score], stable=True)]
-    g, win, btok = e["group"][cand][order], e["win"][cand][order], e["btok"][cand][order]
-    N = g.numel()
-    pos = torch.arange(N, device=device)
-    n = _segment_counts(g, groups)
-    start = torch.cumsum(n, 0) - n
-    rank = pos - start[g]
-
-    first = torch.full((NW,), N, dtype=torch.long, device=device).scatter_reduce_(0, win, pos, reduce="amin")
-    last = torch.full((NW,), -1, dtype=torch.long, device=device).scatter_reduce_(0, win, pos, reduce="amax")
-    # the best-ranked entry of a ledgered window pays for keeping it, unless a forced entry already does
-    pays_ledger = (first[win] == pos) & w_ledger[win] & ~w_forced[win]
-    cost = btok + b_q * pays_ledger.long()
-    group_cost = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, g, cost)
-    cum = torch.cumsum(cost, 0) - (torch.cumsum(group_cost, 0) - group_cost)[g]  # inclusive, within group
-    all_fp = group_cost <= free  # rule 1
-
-    # INT2 bytes if the top ``rank`` entries are FP: windows with an entry ranked lower, except those
-    # already paid (ledgered with a forced entry, or with an FP entry ranked above)
-    has_cand = last >= 0
-    chargeable = has_cand & ~(w_ledger & w_forced)
-    hist_last = _segment_counts(last[chargeable], N + 1)
-    suffix = torch.flip(torch.cumsum(torch.flip(hist_last, [0]), 0), [0])  # windows with last >= p
-    end = start + n
-    above = suffix[pos] - suffix[end[g]]
-    paid = chargeable & w_ledger
-    pf = _exclusive_cumsum(_segment_counts(first[paid], N + 1))  # paid windows with first < p
-    pl = _exclusive_cumsum(_segment_counts(last[paid], N + 1))
-    prepaid = (pf[pos] - pf[start[g]]) - (pl[pos] - pl[start[g]])  # paid windows with first < p <= last
-    fits = (cum - cost) + b_q * (above - prepaid) <= free[g]
-    n_fit = torch.full((groups,), -1, dtype=torch.long, device=device).scatter_reduce_(0, g[fits], rank[fits], reduce="amax")
-    # rule 3
-    fp_spec = cum <= (1.0 - q[g]) * free[g].double()
-    n_spec = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, g, fp_spec.long())
-    used = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, g, cost * fp_spec)
-    use_fit = (n_fit >= 0) & (n_fit >= n_spec) & (q > 0)
-    n_fp = torch.where(use_fit, n_fit, n_spec)
-    n_fp = torch.where(all_fp, n, n_fp)
-
-    is_fp = rank < n_fp[g]
-    # windows with an entry left out of FP compete for INT2; paid ones take it at no extra cost
-    rest_win = win[~is_fp]
-    w_rest = torch.zeros(NW, dtype=torch.bool, device=device)
-    w_rest[rest_win] = True
-    paid_now = w_ledger & (w_forced | (first < (start + n_fp)[w_group]))
-    w_paid = w_rest & paid_now
-    w_int2 = w_paid.clone()
-    w_int2 |= w_rest & use_fit[w_group]
-    contest = w_rest & ~w_paid & ~use_fit[w_group] & ~all_fp[w_group]
-    contest &= (q > 0)[w_group]
-    if bool(contest.any()):
-        wscore = _window_scores(cand[order][~is_fp], e, layers, routings, win_offsets, NW, scorer)
-        ids = torch.nonzero(contest).flatten()
-        s = wscore[ids]
-        by = torch.argsort(s, descending=True, stable=True)
-        ids = ids[by][torch.argsort(w_group[ids[by]], stable=True)]
-        wg = w_group[ids]
-        wn = _segment_counts(wg, groups)
-        wrank = torch.arange(ids.numel(), device=device) - (torch.cumsum(wn, 0) - wn)[wg]
-        slots = torch.div((free - used).clamp(min=0), b_q, rounding_mode="floor")
-        w_int2[ids[wrank < slots[wg]]] = True
-
-    out = torch.where(is_fp, FP, torch.where(w_int2[win], INT2, EVICT))
-    result = torch.empty_like(out)
-    result[order] = out
-    return result
-
-
-def _window_scores(entries: torch.Tensor, e, layers, routings, win_offsets, NW, scorer) -> torch.Tensor:
-    """[NW] window scores reduced over the entries ``entries`` (indices into ``e``), per layer's
-    scorer reduction."""
-    out = torch.full((NW,), float("-inf"), dtype=torch.float64, device=entries.device)
-    lay = e["layer"][entries]
-    for li, (layer, r) in enumerate(zip(layers, routings)):
-        mine = entries[lay == li]
-        if mine.numel() == 0:
-            continue
-        size = r.scores.shape[0] * r.scores.shape[1] * r.num_windows
-        local = e["win"][mine] - win_offsets[li]
-        reduce = scorer.for_layer(layer.layer_idx).window_reduce
-        out[win_offsets[li] : win_offsets[li] + size] = reduce_windows(e["score"][mine], local, size, reduce)
-    return out
-
-
-def apply_entries(config, layer, r, decision: torch.Tensor, fallback: torch.Tensor) -> None:
-    """Carry out one layer's entry decisions: FP entries kept, demoted into (new or ledgered)
-    windows or dropped; INT2 slots kept, promoted alone or dropped; windows kept while any of
-    their entries lives."""
-    store, tier = layer.store, layer.tier
-    w = config.window
-    B, H = decision.shape[:2]
-    Wn = r.num_windows
-    Lf = r.fp.length
-    dec_fp, dec_t = decision[..., :Lf], decision[..., Lf:]
-    fp_valid = r.fp.valid
-    rows_fallback = fallback[..., None]
-    keep_fp = fp_valid & (dec_fp == FP) & ~rows_fallback
-    if bool(fallback.any()):
-        pinned = fp_valid & (dec_fp == FP)
-        pick = top_k_mask(r.scores[..., :Lf].masked_fill(~pinned, float("-inf")), r.cap.view(-1, 1))
-        keep_fp = keep_fp | (pick & pinned & rows_fallback)
-    demote = fp_valid & (dec_fp == INT2) & ~rows_fallback
-    slot = r.tier_slot
-    t_valid = slot >= 0
-    stay = t_valid & (dec_t == INT2) & ~rows_fallback
-    promote = t_valid & (dec_t == FP) & ~rows_fallback
-
-    n = len(tier)
-    dev = decision.device
-    lookup = torch.full((B * H * max(Wn, 1),), -1, dtype=torch.long, device=dev)
-    if n:
-        lookup[tier.row * Wn + tier.window_id] = torch.arange(n, device=dev)
-    row_of = torch.arange(B * H, device=dev).view(B, H, 1)
-
-    def ledger_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, h, l = torch.nonzero(mask, as_tuple=True)
-        p = r.fp.positions[b, h, l]
-        return lookup[(b * H + h) * Wn + window_of(p, r.origin[b], w)], p, (b, h, l)
-
-    new_pos = torch.full((n, w), -1, dtype=tier.positions.dtype, device=dev)
-    new_mod = tier.modality.clone()
-    new_state = {k: v.clone() for k, v in tier.state.items()}
-    if n:
-        s = slot[stay]
-        new_pos.view(-1)[s] = tier.positions.view(-1)[s]
-    li, p, (b, h, l) = ledger_index(demote)
-    reused = li >= 0
-    if bool(reused.any()):
-        at = li[reused] * w + (p[reused] - r.origin[b[reused]]) % w  # the entry's slot in its window
-        new_pos.view(-1)[at] = p[reused].to(new_pos.dtype)
-        new_mod.view(-1)[at] = r.fp.modality[b, h, l][reused]
-        for k in new_state:
-            new_state[k].view(-1)[at] = r.fp.state[k][b, h, l][reused]
-    has_fp = torch.zeros(n, dtype=torch.bool, device=dev)
-    kli, _, _ = ledger_index(keep_fp)
-    has_fp[kli[kli >= 0]] = True
-    if n:
-        has_fp[slot[promote] // w] = True
-    active = (new_pos >= 0).any(dim=1)
-    keep = (active | has_fp) & ~fallback.reshape(-1)[tier.row] if n else active
-
-    # fresh windows: quantized from every entry they still hold (FP ones too, so that those can be
-    # demoted later through the same codes); only the demoted slots are attended
-    new_windows = None
-    fresh = ~reused
-    if bool(fresh.any()):
-        fresh_key = torch.unique(((b * H + h) * Wn + window_of(p, r.origin[b], w))[fresh])
-        all_key = (row_of * Wn + r.window_ids(r.fp.positions))
-        members = (keep_fp | demote) & torch.isin(all_key, fresh_key)
-        win = gather_windows(r.fp, members, w, Wn, store.state_names, r.origin, tier.rope,
-                             keep_original=tier.spill is not None)
-        demoted_key = (((b * H + h) * Wn) * w + p)[fresh]  # row * Wn * w + position
-        slot_key = ((win.row * Wn)[:, None] * w + win.positions.long())
-        attended = (win.positions >= 0) & torch.isin(slot_key, demoted_key)
-        positions = torch.where(attended, win.positions, torch.full_like(win.positions, -1))
-        new_windows = NewWindows(
-            codes=tier.quantize(win.keys, win.values), row=win.row, window_id=win.window_id,
-            positions=positions, modality=win.modality, state=win.state,
-            spill=SpillCopies.from_device(win.original_keys, win.values, tier.pin_spill) if tier.spill is not None else None,
-        )
-        tier.counters.quantized += len(fresh_key)
-        tier.counters.demotions += len(fresh_key)
-    if bool(reused.any()):
-        touched = torch.unique(li[reused]).numel()  # windows taking entries back through their stored codes
-        tier.counters.ledger_reuses += touched
-        tier.counters.demotions += touched
-    insert = _promoted_slots(tier, slot[promote], store.state_names)
-    if n:
-        tier.counters.promotions += int(torch.unique(slot[promote] // w).numel())
-        tier.counters.evicted_windows += int((tier.active & ~keep).sum())
-    kept = torch.nonzero(keep).flatten()
-    refreshed = None
-    if kept.numel():
-        refreshed = {"index": torch.arange(kept.numel(), device=dev), "positions": new_pos[kept],
-                     "modality": new_mod[kept], "state": {k: v[kept] for k, v in new_state.items()}}
-    tier.rebuild(keep, active, refreshed, new_windows)
-    store.compact(keep_fp, insert=insert)
+        # fresh windows: quantized from every entry they still hold (FP ones too, so that those can be
+        # demoted later through the same codes); only the demoted slots are attended
+        new_windows = None
+        fresh = ~reused
+        if bool(fresh.any()):
+            fresh_key = torch.unique(((b * H + h) * Wn + window_of(p, r.origin[b], w))[fresh])
+            all_key = (row_of * Wn + r.window_ids(r.fp.positions))
+            members = (keep_fp | demote) & torch.isin(all_key, fresh_key)
+            win = gather_windows(r.fp, members, w, Wn, store.state_names, r.origin, tier.rope,
+                                 keep_original=tier.spill is not None)
+            demoted_key = (((b * H + h) * Wn) * w + p)[fresh]  # row * Wn * w + position
+            slot_key = ((win.row * Wn)[:, None] * w + win.positions.long())
+            attended = (win.positions >= 0) & torch.isin(slot_key, demoted_key)
+            positions = torch.where(attended, win.positions, torch.full_like(win.positions, -1))
+            new_windows = NewWindows(
+                codes=tier.quantize(win.keys, win.values), row=win.row, window_id=win.window_id,
+                positions=positions, modality=win.modality, state=win.state,
+                spill=SpillCopies.from_device(win.original_keys, win.values, tier.pin_spill) if tier.spill is not None else None,
+            )
+            tier.counters.quantized += len(fresh_key)
+            tier.counters.demotions += len(fresh_key)
+        if bool(reused.any()):
+            touched = torch.unique(li[reused]).numel()  # windows taking entries back through their stored codes
+            tier.counters.ledger_reuses += touched
+            tier.counters.demotions += touched
+        insert = _promoted_slots(tier, slot[promote], store.state_names)
+        if n:
+            tier.counters.promotions += int(torch.unique(slot[promote] // w).numel())
+            tier.counters.evicted_windows += int((tier.active & ~keep).sum())
+        kept = torch.nonzero(keep).flatten()
+        refreshed = None
+        if kept.numel():
+            refreshed = RefreshedSlots(index=torch.arange(kept.numel(), device=dev), positions=new_pos[kept],
+                                       modality=new_mod[kept], state={k: v[kept] for k, v in new_state.items()})
+        tier.rebuild(keep, active, refreshed, new_windows)
+        store.compact(keep_fp, insert=insert)
 
 
 def _promoted_slots(tier: Int2Tier, slots: torch.Tensor, state_names: tuple[str, ...]) -> Entries | None:

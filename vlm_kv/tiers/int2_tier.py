@@ -1,7 +1,7 @@
 """The INT2 tier of one layer and its write-once quantization ledger (QEvict).
 
 A *window* is ``w`` consecutive positions of one (batch, kv head) row: window id
-``(position - origin) // w``, counted from the sequence's first real token (``tier_windows``). A window is quantized once, at its first demotion from full precision
+``(position - origin) // w``, counted from the sequence's first real token (``windows``). A window is quantized once, at its first demotion from full precision
 (KIVI's grid: keys per channel over the window, values per token), and its codes go into the
 ledger. While the window lives in the INT2 tier its ledger entry is *active*: attention reads
 it (dequantized) in the same softmax as the FP entries, and scorers keep accruing state on it.
@@ -27,12 +27,19 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from vlm_kv.kernels.int2 import (
-    KEY_GRIDS, decode_key_grid, dequantize_keys, dequantize_values, int2_basis, int2_window_bytes, quantize_keys,
-    quantize_keys_compact, quantize_values,
-)
 from vlm_kv.config import TierConfig
+from vlm_kv.kernels.int2 import (
+    decode_key_grid,
+    dequantize_keys,
+    dequantize_values,
+    int2_basis,
+    int2_window_bytes,
+    quantize_keys,
+    quantize_keys_compact,
+    quantize_values,
+)
 from vlm_kv.storage.store import PaddedView, tensor_bytes
+from vlm_kv.tiers.rope_keys import KeyRotation
 
 
 @dataclass
@@ -52,7 +59,7 @@ class QuantizedWindows:
     key_ref: torch.Tensor      # [n, 3] float16 (z_lo, z_step, s_step) for compact grids, [n, 0] for fp16
 
     @classmethod
-    def empty(cls, window: int, head_dim: int, device: torch.device, key_grid: str = "fp16") -> "QuantizedWindows":
+    def empty(cls, window: int, head_dim: int, device: torch.device, key_grid: str) -> "QuantizedWindows":
         u8, f16 = torch.uint8, torch.float16
         grid = f16 if key_grid == "fp16" else u8
         return cls(
@@ -66,10 +73,8 @@ class QuantizedWindows:
         )
 
     @classmethod
-    def quantize(cls, keys: torch.Tensor, values: torch.Tensor, key_grid: str = "fp16") -> "QuantizedWindows":
-        """keys/values [n, w, D] -> their codes and grids."""
-        if key_grid not in KEY_GRIDS:
-            raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {key_grid!r}")
+    def quantize(cls, keys: torch.Tensor, values: torch.Tensor, key_grid: str) -> "QuantizedWindows":
+        """keys/values [n, w, D] -> their codes and grids (``key_grid`` as ``TierConfig`` checked it)."""
         vc, vs, vz = quantize_values(values)
         if key_grid == "fp16":
             kc, ks, kz = quantize_keys(keys)
@@ -195,6 +200,67 @@ class TierCounters:
     evicted_windows: int = 0  # INT2 windows evicted
 
 
+@dataclass(frozen=True)
+class TierShape:
+    """The shape of one layer's tier: its rows (batch x kv heads), head size, model dtype and device."""
+
+    batch_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class SlotPlacement:
+    """Where the slots of the active windows go in the per-row view: window ``idx[i]``'s slot ``s``
+    lands at flat place ``dest[i * w + s]`` of [B, H, length]."""
+
+    idx: torch.Tensor   # [n] ledger index of each active window, by row then window id
+    dest: torch.Tensor  # [n * w] flat destination in [B * H * length]
+    length: int         # Lq: slots per row (the most windows any row has, times w)
+    batch_size: int
+    num_kv_heads: int
+
+    def lay(self, src: torch.Tensor, fill: float | bool, dtype: torch.dtype) -> torch.Tensor:
+        """[n, w, ...] per-window slots -> [B, H, length, ...] per row, left aligned."""
+        B, H, L = self.batch_size, self.num_kv_heads, self.length
+        tail = tuple(src.shape[2:])
+        out = torch.full((B * H * L,) + tail, fill, dtype=dtype, device=self.dest.device)
+        out[self.dest] = src.reshape((-1,) + tail).to(dtype)
+        return out.view((B, H, L) + tail)
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """The active windows laid out per row (fixed between routing events): the view's metadata,
+    the kernels' window table and the attended-slot mask."""
+
+    placement: SlotPlacement
+    valid: torch.Tensor                    # [B, H, Lq] slots holding an attended entry
+    positions: torch.Tensor                # [B, H, Lq] long, -1 where empty
+    modality: torch.Tensor                 # [B, H, Lq] uint8
+    slot: torch.Tensor                     # [B, H, Lq] ledger index * w + slot, -1 where empty
+    table: tuple[torch.Tensor, torch.Tensor]  # ([rows, max_windows] int32 ledger index, [rows] int32 counts)
+    full: bool                             # every active window holds w attended entries
+    slot_mask: torch.Tensor | None         # [n, w] attended slots of every ledger window, None when full
+
+    @property
+    def idx(self) -> torch.Tensor:
+        return self.placement.idx
+
+
+@dataclass
+class RefreshedSlots:
+    """New metadata for kept ledger entries at a rebuild: rows ``index`` of the kept order get
+    these positions, modality and state (entries demoted back into their stored codes)."""
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    modality: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
 @dataclass
 class TierView:
     """The active windows of a layer laid out per row like ``PaddedView`` ([B, H, Lq]),
@@ -207,25 +273,25 @@ class TierView:
 class Int2Tier:
     """Quantized windows of one layer: the INT2 tier (active entries) and the dormant ledger."""
 
-    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype,
-                 device: torch.device, state_names: tuple[str, ...] = (), rope=None, spill: bool = False,
-                 key_grid: str = "fp16", basis: str = "channel") -> None:
-        if key_grid not in KEY_GRIDS:
-            raise ValueError(f"key_grid must be one of {KEY_GRIDS}, got {key_grid!r}")
+    def __init__(self, shape: TierShape, config: TierConfig, state_names: tuple[str, ...] = (),
+                 rope: KeyRotation | None = None) -> None:
+        """An empty tier of ``shape`` with ``config``'s window, spill, key grid and basis (TierConfig
+        holds their defaults and checks them)."""
+        head_dim, window, device = shape.head_dim, config.window, shape.device
         if head_dim % 4:
             raise ValueError(f"INT2 packs four channels per byte: head_dim {head_dim} must be a multiple of 4")
-        self.batch_size = batch_size
-        self.num_kv_heads = num_kv_heads
+        self.batch_size = shape.batch_size
+        self.num_kv_heads = shape.num_kv_heads
         self.head_dim = head_dim
         self.window = window
-        self.dtype = dtype
+        self.dtype = shape.dtype
         self.device = device
         self.state_names = tuple(state_names)
         self.rope = rope  # a KeyRotation when keys are quantized pre-RoPE, else None
-        self.key_grid = key_grid
+        self.key_grid = config.key_grid
         # [D, D] orthonormal matrices keys and values are quantized in (Hadamard), None for the channel basis
-        self.key_basis, self.value_basis = int2_basis(basis, head_dim, device)
-        self.codes = QuantizedWindows.empty(window, head_dim, device, key_grid)
+        self.key_basis, self.value_basis = int2_basis(config.basis, head_dim, device)
+        self.codes = QuantizedWindows.empty(window, head_dim, device, self.key_grid)
         self.row = torch.empty(0, dtype=torch.long, device=device)        # b * H + h
         self.window_id = torch.empty(0, dtype=torch.long, device=device)  # (position - origin) // w
         self.positions = torch.empty(0, window, dtype=torch.int32, device=device)  # -1: no entry in that slot
@@ -233,19 +299,18 @@ class Int2Tier:
         self.state = {n: torch.empty(0, window, dtype=torch.float32, device=device) for n in self.state_names}
         self.active = torch.empty(0, dtype=torch.bool, device=device)
         self._num_active = 0  # read on every decode step: kept as an int, no device sync
-        self._layout_cache: dict | None = None
+        self._layout_cache: TierLayout | None = None
         self.counters = TierCounters()
         # host copies of the original FP windows, aligned with the ledger (spill tier), or None
         self.pin_spill = SpillCopies.pin_for(device)
-        self.spill = SpillCopies.empty(window, head_dim, dtype) if spill else None
+        self.spill = SpillCopies.empty(window, head_dim, shape.dtype) if config.spill else None
 
     @classmethod
     def for_keys(cls, key_states: torch.Tensor, config: TierConfig, state_names: tuple[str, ...] = (),
-                 rope=None) -> "Int2Tier":
+                 rope: KeyRotation | None = None) -> "Int2Tier":
         """An empty tier for one layer whose first keys are ``key_states`` [B, H, L, D]."""
         b, h, _, d = key_states.shape
-        return cls(b, h, d, config.window, key_states.dtype, key_states.device, state_names, rope=rope,
-                   spill=config.spill, key_grid=config.key_grid, basis=config.basis)
+        return cls(TierShape(b, h, d, key_states.dtype, key_states.device), config, state_names, rope=rope)
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -292,7 +357,7 @@ class Int2Tier:
         return torch.zeros(rows, dtype=torch.long, device=self.device).index_add_(0, self.row, counts.long())
 
     # ------------------------------------------------------------------ views
-    def _layout(self) -> dict:
+    def _layout(self) -> TierLayout:
         """Where each active window's slots go in ``view`` (fixed between routing events)."""
         if self._layout_cache is not None:
             return self._layout_cache
@@ -308,38 +373,34 @@ class Int2Tier:
         rank = torch.arange(idx.numel(), device=self.device) - (torch.cumsum(counts, 0) - counts)[row]
         L = most * w
         dest = ((row * L + rank * w)[:, None] + torch.arange(w, device=self.device)[None]).reshape(-1)
-        layout = {"idx": idx, "dest": dest, "L": L}
+        place = SlotPlacement(idx, dest, L, B, H)
         pos = self.positions[idx]
-        layout["valid"] = self._lay(layout, pos >= 0, False, torch.bool)
-        layout["positions"] = self._lay(layout, pos.long(), -1, torch.long)
-        layout["modality"] = self._lay(layout, self.modality[idx], 0, torch.uint8)
+        valid = place.lay(pos >= 0, False, torch.bool)
         slot_ids = idx[:, None] * w + torch.arange(w, device=self.device)[None]
-        layout["slot"] = self._lay(layout, slot_ids, -1, torch.long).masked_fill(~layout["valid"], -1)
         table = torch.zeros(rows, max(most, 1), dtype=torch.int32, device=self.device)
         table[row, rank] = idx.to(torch.int32)
-        layout["table"] = (table, counts.to(torch.int32))
-        layout["full"] = bool((pos >= 0).all())
-        # attended slots of every ledger window, for the kernels when a window has a hole or an empty slot
-        layout["slot_mask"] = None if layout["full"] else (self.positions >= 0).contiguous()
-        self._layout_cache = layout
-        return layout
-
-    def _lay(self, layout: dict, src: torch.Tensor, fill, dtype: torch.dtype) -> torch.Tensor:
-        """[n, w, ...] per-window slots -> [B, H, L, ...] per row, left aligned."""
-        B, H, L = self.batch_size, self.num_kv_heads, layout["L"]
-        tail = tuple(src.shape[2:])
-        out = torch.full((B * H * L,) + tail, fill, dtype=dtype, device=self.device)
-        out[layout["dest"]] = src.reshape((-1,) + tail).to(dtype)
-        return out.view((B, H, L) + tail)
+        full = bool((pos >= 0).all())
+        self._layout_cache = TierLayout(
+            placement=place,
+            valid=valid,
+            positions=place.lay(pos.long(), -1, torch.long),
+            modality=place.lay(self.modality[idx], 0, torch.uint8),
+            slot=place.lay(slot_ids, -1, torch.long).masked_fill(~valid, -1),
+            table=(table, counts.to(torch.int32)),
+            full=full,
+            # attended slots of every ledger window, for the kernels when a window has a hole or an empty slot
+            slot_mask=None if full else (self.positions >= 0).contiguous(),
+        )
+        return self._layout_cache
 
     def window_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Active windows per row for the kernels: ([rows, max_windows] int32 ledger index, [rows] int32 counts)."""
-        return self._layout()["table"]
+        return self._layout().table
 
     @property
     def windows_full(self) -> bool:
         """Every active window holds w attended entries (no holes, no empty slots)."""
-        return self._layout()["full"]
+        return self._layout().full
 
     @property
     def kernel_readable(self) -> bool:
@@ -377,7 +438,7 @@ class Int2Tier:
         ``value_basis.T``."""
         c = self.codes
         pools = (c.key_codes, *c.key_grid(), c.value_codes, c.value_scale, c.value_zero, *self.window_table())
-        mask = self._layout()["slot_mask"]
+        mask = self._layout().slot_mask
         return pools if mask is None else pools + (mask,)
 
     def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None,
@@ -389,23 +450,23 @@ class Int2Tier:
             raise ValueError("in_basis=True needs post-RoPE codes: pre-RoPE keys must be rotated back per position")
         dtype = dtype or self.dtype
         layout = self._layout()
-        idx = layout["idx"]
+        place, idx = layout.placement, layout.idx
         c = self.codes
         if in_basis:
             keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx))
         else:
             keys = self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx])
-        keys = self._lay(layout, keys, 0, dtype)
+        keys = place.lay(keys, 0, dtype)
         if with_values:
             values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx])
-            values = self._lay(layout, values if in_basis else _out_of(values, self.value_basis), 0, dtype)
+            values = place.lay(values if in_basis else _out_of(values, self.value_basis), 0, dtype)
         else:
             values = keys[..., :0]
         view = PaddedView(
-            keys=keys, values=values, positions=layout["positions"], modality=layout["modality"], valid=layout["valid"],
-            state={n: self._lay(layout, self.state[n][idx], 0.0, torch.float32) for n in states},
+            keys=keys, values=values, positions=layout.positions, modality=layout.modality, valid=layout.valid,
+            state={n: place.lay(self.state[n][idx], 0.0, torch.float32) for n in states},
         )
-        return TierView(view, layout["slot"])
+        return TierView(view, layout.slot)
 
     def add_state(self, name: str, padded: torch.Tensor, slot: torch.Tensor) -> None:
         """Add a [B, H, Lq] quantity laid out like ``view`` (``slot`` from that view) to the entries' state."""
@@ -414,10 +475,10 @@ class Int2Tier:
             self.state[name].view(-1).index_add_(0, slot[keep], padded[keep].float())
 
     # ------------------------------------------------------------------ routing
-    def rebuild(self, keep: torch.Tensor, active: torch.Tensor, refreshed: dict[str, torch.Tensor] | None,
+    def rebuild(self, keep: torch.Tensor, active: torch.Tensor, refreshed: RefreshedSlots | None,
                 new: "NewWindows | None") -> None:
         """Keep ledger entries ``keep`` [n] with activity ``active`` [n]; ``refreshed`` overwrites
-        positions/modality/state of kept entries (rows given by ``refreshed['index']``, into the
+        positions/modality/state of kept entries (rows given by ``refreshed.index``, into the
         kept order) and ``new`` appends freshly quantized windows (active). The spill tier
         follows the ledger: kept entries keep their host copies, dropped ones free them."""
         idx = torch.nonzero(keep).flatten()
@@ -428,12 +489,12 @@ class Int2Tier:
         positions, modality = self.positions[idx], self.modality[idx]
         state = {n: t[idx] for n, t in self.state.items()}
         act = active[idx]
-        if refreshed is not None and refreshed["index"].numel():
-            at = refreshed["index"]
-            positions[at] = refreshed["positions"]
-            modality[at] = refreshed["modality"]
+        if refreshed is not None and refreshed.index.numel():
+            at = refreshed.index
+            positions[at] = refreshed.positions
+            modality[at] = refreshed.modality
             for n in self.state_names:
-                state[n][at] = refreshed["state"][n]
+                state[n][at] = refreshed.state[n]
         if new is not None and len(new.codes):
             codes = QuantizedWindows.cat([codes, new.codes])
             row, wid = torch.cat([row, new.row]), torch.cat([wid, new.window_id])

@@ -1,10 +1,15 @@
 """Routing events of the tiered cache: every window goes to FP, INT2 or out, under the byte budget.
 
-At each routing event (the end of every prefill or prefill chunk, then every ``w`` decode steps)
-each layer's entries, FP and INT2 alike, are scored together by the policy's scorer, and the
-scores are summed per window (``Scorer.window_reduce``). Windows that hold a protected entry
-(sinks, the recent zone) or are not complete yet stay FP. The others are ranked in one list per
-*group* and routed by rank (QEvict):
+``TierRouter`` runs a routing event (the end of every prefill or prefill chunk, then every ``w``
+decode steps): each layer's entries, FP and INT2 alike, are scored together by the policy's scorer
+(``LayerRouting``), and the strategy ``TierConfig.fp_unit`` chose decides and applies the moves:
+``WindowRouter`` here (``"window"``, QEvict) or ``EntryRouter`` (``"token"``,
+``vlm_kv.tiers.entry_router``). Both rank their candidates in one list per group and spend each
+group's bytes by rank (``vlm_kv.tiers.groups``).
+
+The window router sums the scores per window (``Scorer.window_reduce``). Windows that hold a
+protected entry (sinks, the recent zone) or are not complete yet stay FP. The others are ranked in
+one list per *group* and routed by rank (QEvict):
 
 * a group is one (layer, batch, kv head) row for per-head allocations (uniform, pyramid), one
   (layer, batch) for AdaKV's head-adaptive one, and one whole sequence for the global
@@ -31,27 +36,31 @@ scores are summed per window (``Scorer.window_reduce``). Windows that hold a pro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from vlm_kv.config import TierConfig
-from vlm_kv.storage.allocation import HeadAdaptive, top_k_mask
+from vlm_kv.eviction.evictor import Evictor
+from vlm_kv.policies.base import Scorer
+from vlm_kv.storage.allocation import Allocation
 from vlm_kv.storage.ledger import TokenLedger
 from vlm_kv.storage.store import Entries, PaddedView
-from vlm_kv.tiers import entry_router as token_routing
-from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows, SpillCopies
+from vlm_kv.tiers.entry_router import EntryRouter
+from vlm_kv.tiers.groups import GroupBytes, Ranking, cat_records, per_layer
+from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows, RefreshedSlots, SpillCopies
+from vlm_kv.tiers.routing import LayerRouting, RoutedLayer, RouterStrategy
 from vlm_kv.tiers.windows import (
     EVICT,
     FP,
     INT2,
     gather_windows,
     reduce_windows,
-    row_groups,
-    window_of,
     window_value,
 )
+
+__all__ = ["EVICT", "FP", "INT2", "TierRouter", "WindowRouter", "merge_views", "reduce_windows", "router_for", "unsort"]
 
 
 def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedView, torch.Tensor | None]:
@@ -92,41 +101,29 @@ def unsort(values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(values).scatter_(-1, perm, values)
 
 
-@dataclass
-class _LayerRouting:
-    """One layer's entries and windows at a routing event."""
-
-    fp: PaddedView            # FP entries with values, store layout
-    tier_slot: torch.Tensor   # [B, H, Lq] ledger slot of each INT2 entry (-1 empty)
-    scores: torch.Tensor      # [B, H, Lf + Lq] protected +inf, empty -inf
-    positions: torch.Tensor   # [B, H, Lf + Lq]
-    valid: torch.Tensor
-    num_windows: int          # windows per row (ceil(seen / w): the most any sequence has)
-    cap: torch.Tensor         # [B] tokens per head this layer may hold
-    origin: torch.Tensor      # [B] position of each sequence's first real token: where its windows start
-    window: int               # tokens per window
-
-    def window_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """Window id of [B, H, L] positions, counted from each sequence's origin."""
-        return window_of(positions, self.origin.view(-1, 1, 1), self.window)
-
-    def incomplete(self, wid: torch.Tensor, seen: int) -> torch.Tensor:
-        """Windows some of whose positions are not seen yet ([B, H, L] ids)."""
-        return (wid + 1) * self.window > seen - self.origin.view(-1, 1, 1)
+def router_for(config: TierConfig) -> RouterStrategy:
+    """The strategy ``config.fp_unit`` names: whole windows (QEvict) or single entries in FP."""
+    return EntryRouter(config) if config.fp_unit == "token" else WindowRouter(config)
 
 
 class TierRouter:
+    """A tiered cache's routing events: each layer's entries and scores gathered, then decided and
+    applied by the strategy ``TierConfig.fp_unit`` chose (``router_for``)."""
+
     def __init__(self, config: TierConfig) -> None:
         self.config = config
+        self.strategy = router_for(config)
 
     @torch.no_grad()
-    def route(self, evictor, layers: Sequence, ledger: TokenLedger) -> None:
+    def route(self, evictor: Evictor, layers: Sequence[RoutedLayer], ledger: TokenLedger) -> None:
         """One routing event over every layer; afterwards the held bytes are within the budget."""
         caps, scorer, allocation = evictor.begin_step(ledger)
         before = sum(layer.num_entries() for layer in layers)
         w = self.config.window
         states = evictor.scorer.state_names
         num_layers = len(layers)
+        # each sequence's capacity over its real tokens (the entry router's INT2 share follows it)
+        fraction = caps.double() / ledger.valid_tokens.to(caps.device).clamp(min=1).double()
         routings = []
         for layer in layers:
             layer_scorer = scorer.for_layer(layer.layer_idx)
@@ -136,144 +133,144 @@ class TierRouter:
             tv = layer.tier.view(states=states, with_values=False, dtype=fp.keys.dtype)
             merged, perm = merge_views(fp, tv.view, sort=True)
             scores = unsort(evictor.layer_scores(scorer, layer, merged, cap_layer, ledger, num_layers), perm)
-            positions = torch.cat([fp.positions, tv.view.positions], dim=2)
-            valid = torch.cat([fp.valid, tv.view.valid], dim=2)
-            origin = ledger.first_positions.to(caps.device).clamp(max=layer.seen)
-            routings.append(_LayerRouting(fp, tv.slot, scores, positions, valid, -(-layer.seen // w), cap_layer,
-                                          origin, w))
-        if self.config.fp_unit == "token":
-            valid = ledger.valid_tokens.to(caps.device).clamp(min=1)
-            share = self.config.share_for(caps.double() / valid.double())  # [B]
-            decisions, fallback = token_routing.decide_entries(self.config, layers, routings, allocation, scorer,
-                                                               share)
-            for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
-                token_routing.apply_entries(self.config, layer, r, dec, fb)
-        else:
-            decisions, fallback = self._decide(layers, routings, allocation, scorer)
-            for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
-                self._apply(layer, r, dec, fb)
+            routings.append(LayerRouting(
+                fp=fp, tier_slot=tv.slot, scores=scores,
+                positions=torch.cat([fp.positions, tv.view.positions], dim=2),
+                valid=torch.cat([fp.valid, tv.view.valid], dim=2),
+                num_windows=-(-layer.seen // w), cap=cap_layer,
+                origin=ledger.first_positions.to(caps.device).clamp(max=layer.seen), window=w,
+                budget_fraction=fraction,
+            ))
+        decisions, fallback = self._decide(layers, routings, allocation, scorer)
+        for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
+            self.strategy.apply(layer, r, dec, fb)
         evictor.end_step(before, sum(layer.num_entries() for layer in layers))
 
+    def _decide(self, layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting], allocation: Allocation,
+                scorer: Scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # the one seam every event's decisions pass through: vlm_kv.testing.route_with_forced_decision
+        # overrides it on an instance to force one window's move
+        return self.strategy.decide(layers, routings, allocation, scorer)
+
+
+@dataclass
+class WindowRecords:
+    """The windows of a routing event that hold an entry, flat over layers."""
+
+    group: torch.Tensor         # ranking group
+    score: torch.Tensor         # reduced window score (float64)
+    fp_cost: torch.Tensor       # bytes held in FP: its entries, plus its dormant ledger entry if any
+    forced: torch.Tensor        # holds a protected entry or is incomplete: stays FP
+    layer: torch.Tensor         # layer index
+    index: torch.Tensor         # flat (row * Wn + window id) within its layer
+    value: torch.Tensor | None  # linear worth, for int2_value only
+
+
+class WindowRouter:
+    """QEvict's routing: whole windows go to FP, INT2 or out (``fp_unit="window"``)."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+
     # ------------------------------------------------------------------ decisions
-    def _decide(self, layers, routings, allocation, scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def decide(self, layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting], allocation: Allocation,
+               scorer: Scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer: [B, H, Wn] decisions (FP / INT2 / EVICT) and [B, H] fallback rows."""
-        mode = "global" if allocation.is_global else "layer" if isinstance(allocation, HeadAdaptive) else "row"
-        device = routings[0].scores.device
-        B, H = routings[0].scores.shape[:2]
-        table = {k: [] for k in ("group", "score", "fp_cost", "forced", "layer", "index", "value")}
-        row_bytes, row_group = [], []
+        groups = GroupBytes.of(allocation, layers, routings)
         b_q = layers[0].tier.window_bytes()
-        for li, (layer, r) in enumerate(zip(layers, routings)):
-            seen, Wn = layer.seen, r.num_windows
-            b_tok = layer.store.bytes_per_entry
-            size = B * H * Wn
-            row_id = torch.arange(B * H, device=device).view(B, H, 1)
-            wid = r.window_ids(r.positions)
-            flat = (row_id * Wn + wid).masked_fill(~r.valid, size)  # empty slots to a dump bin
-            count = torch.zeros(size + 1, dtype=torch.long, device=device).index_add_(0, flat.reshape(-1), r.valid.reshape(-1).long())[:size]
-            pinned = r.valid & ((r.scores == float("inf")) | r.incomplete(wid, seen))
-            forced = torch.zeros(size + 1, dtype=torch.bool, device=device).index_put_((flat[pinned],), torch.tensor(True, device=device))[:size]
-            reduce = scorer.for_layer(layer.layer_idx).window_reduce
-            score = reduce_windows(r.scores.masked_fill(~r.valid, float("-inf")).reshape(-1), flat.reshape(-1).clamp(max=size - 1), size, reduce)
-            ledger = torch.zeros(size, dtype=torch.bool, device=device)
-            if len(layer.tier):
-                ledger[layer.tier.row * Wn + layer.tier.window_id] = True
-            exists = count > 0
-            fp_cost = count * b_tok + ledger.long() * b_q
-            ids = torch.nonzero(exists).flatten()
-            groups_of_rows = row_groups(mode, li, B, H, device)
-            row_group.append(groups_of_rows)
-            table["group"].append(groups_of_rows[ids // Wn])
-            table["score"].append(score[ids])
-            if self.config.int2_value is not None:
-                table["value"].append(window_value(score[ids], reduce))
-            table["fp_cost"].append(fp_cost[ids])
-            table["forced"].append(forced[ids])
-            table["layer"].append(torch.full_like(ids, li))
-            table["index"].append(ids)
-            row_bytes.append(r.cap.view(B, 1).expand(B, H).reshape(-1) * b_tok)
-        t = {k: torch.cat(v) for k, v in table.items() if v}
-        groups = int(torch.cat(row_group).max()) + 1
-        budget = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, torch.cat(row_group), torch.cat(row_bytes))
-        forced_cost = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, t["group"], t["fp_cost"] * t["forced"])
-        free = budget - forced_cost  # M - P per group
+        t = cat_records([self._windows(li, layer, r, scorer, groups.rows[li], b_q)
+                         for li, (layer, r) in enumerate(zip(layers, routings))])
+        free = groups.budget - groups.total(t.group, t.fp_cost * t.forced)  # M - P per group
         fallback_group = free < 0
 
-        decision = torch.full_like(t["group"], EVICT)
-        decision[t["forced"]] = FP
-        cand = torch.nonzero(~t["forced"]).flatten()
+        decision = torch.full_like(t.group, EVICT)
+        decision[t.forced] = FP
+        cand = torch.nonzero(~t.forced).flatten()
         if cand.numel():
-            value = t["value"][cand] if "value" in t else None
-            decision[cand] = self._route_candidates(t["group"][cand], t["score"][cand], t["fp_cost"][cand], free, b_q,
-                                                    groups, value)
-        in_fallback = fallback_group[t["group"]]
-        decision[in_fallback & ~t["forced"]] = EVICT
+            value = t.value[cand] if t.value is not None else None
+            decision[cand] = self._route_candidates(t.group[cand], t.score[cand], t.fp_cost[cand], free, b_q,
+                                                    groups.count, value)
+        decision[fallback_group[t.group] & ~t.forced] = EVICT
+        B, H = groups.batch_size, groups.num_kv_heads
+        decisions = per_layer(decision, t.layer, t.index, [(B, H, r.num_windows) for r in routings])
+        return decisions, groups.fallback_rows(fallback_group)
 
-        decisions, fallbacks = [], []
-        for li, r in enumerate(routings):
-            mine = t["layer"] == li
-            dec = torch.full((B * H * r.num_windows,), EVICT, dtype=torch.long, device=device)
-            dec[t["index"][mine]] = decision[mine]
-            decisions.append(dec.view(B, H, r.num_windows))
-            fallbacks.append(fallback_group[row_group[li]].view(B, H))
-        return decisions, fallbacks
+    def _windows(self, li: int, layer: RoutedLayer, r: LayerRouting, scorer: Scorer, row_group: torch.Tensor,
+                 b_q: int) -> WindowRecords:
+        """Layer ``li``'s windows that hold an entry, with their scores and FP costs."""
+        device = r.scores.device
+        B, H = r.scores.shape[:2]
+        seen, Wn = layer.seen, r.num_windows
+        b_tok = layer.store.bytes_per_entry
+        size = B * H * Wn
+        row_id = torch.arange(B * H, device=device).view(B, H, 1)
+        wid = r.window_ids(r.positions)
+        flat = (row_id * Wn + wid).masked_fill(~r.valid, size)  # empty slots to a dump bin
+        count = torch.zeros(size + 1, dtype=torch.long, device=device).index_add_(0, flat.reshape(-1), r.valid.reshape(-1).long())[:size]
+        pinned = r.valid & ((r.scores == float("inf")) | r.incomplete(wid, seen))
+        forced = torch.zeros(size + 1, dtype=torch.bool, device=device).index_put_((flat[pinned],), torch.tensor(True, device=device))[:size]
+        reduce = scorer.for_layer(layer.layer_idx).window_reduce
+        score = reduce_windows(r.scores.masked_fill(~r.valid, float("-inf")).reshape(-1), flat.reshape(-1).clamp(max=size - 1), size, reduce)
+        ledger = torch.zeros(size, dtype=torch.bool, device=device)
+        if len(layer.tier):
+            ledger[layer.tier.row * Wn + layer.tier.window_id] = True
+        fp_cost = count * b_tok + ledger.long() * b_q
+        ids = torch.nonzero(count > 0).flatten()
+        return WindowRecords(
+            group=row_group[ids // Wn], score=score[ids], fp_cost=fp_cost[ids], forced=forced[ids],
+            layer=torch.full_like(ids, li), index=ids,
+            value=window_value(score[ids], reduce) if self.config.int2_value is not None else None,
+        )
 
     def _route_candidates(self, group: torch.Tensor, score: torch.Tensor, cost: torch.Tensor, free: torch.Tensor,
                           b_q: int, groups: int, value: torch.Tensor | None = None) -> torch.Tensor:
         """Decisions for the routed (non-forced) windows, ranked per group by score."""
         if self.config.quantize_all:
             return torch.full_like(group, INT2)
-        by_score = torch.argsort(score, descending=True, stable=True)
-        order = by_score[torch.argsort(group[by_score], stable=True)]
-        g, c = group[order], cost[order]
-        n = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, torch.ones_like(g))
-        start = torch.cumsum(n, 0) - n
-        rank = torch.arange(g.numel(), device=g.device) - start[g]
-        group_cost = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, c)
-        # inclusive prefix cost within each group (the order is by group, then by rank)
-        cum = torch.cumsum(c, 0) - (torch.cumsum(group_cost, 0) - group_cost)[g]
+        ranking = Ranking.by_score(group, score, groups)
+        g, rank, c = ranking.group, ranking.rank, cost[ranking.order]
+        cum, group_cost = ranking.cumsum(c)  # inclusive prefix cost within each group
         all_fp = (group_cost <= free)[g]
         if value is not None:
-            n_fp, n_q = self._split_by_value(g, rank, n, start, c, cum, value[order], free, b_q, groups)
+            n_fp, n_q = self._split_by_value(ranking, c, cum, value[ranking.order], free, b_q)
         else:
-            n_fp, n_q = self._split_by_share(g, rank, n, c, cum, free, b_q, groups)
+            n_fp, n_q = self._split_by_share(ranking, c, cum, free, b_q)
         out = torch.where(rank < n_fp[g], FP, torch.where(rank < (n_fp + n_q)[g], INT2, EVICT))
         out = torch.where(all_fp, torch.full_like(out, FP), out)
-        result = torch.empty_like(out)
-        result[order] = out
-        return result
+        return ranking.unrank(out)
 
-    def _split_by_share(self, g: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, c: torch.Tensor,
-                        cum: torch.Tensor, free: torch.Tensor, b_q: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n_fp, n_q) per group by rules 2 and 3 (the fixed INT2 share q)."""
+    def _split_by_share(self, ranking: Ranking, c: torch.Tensor, cum: torch.Tensor, free: torch.Tensor,
+                        b_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_fp, n_q) per group by rules 2 and 3 (the fixed INT2 share q); ``c`` and ``cum``: each
+        window's FP cost and the inclusive cost up to it, in ranked order."""
         q = self.config.int2_share
+        g, rank, n = ranking.group, ranking.rank, ranking.counts
         room = free[g].double()
         # rule 2: the most FP windows with every other window fitting as INT2
         fits = (cum + (n[g] - rank - 1) * b_q) <= room
-        first_miss = torch.full((groups,), 2**62, dtype=torch.long, device=g.device)
+        first_miss = torch.full((ranking.groups,), 2**62, dtype=torch.long, device=g.device)
         first_miss.scatter_reduce_(0, g[~fits], rank[~fits], reduce="amin")
         n_fit = torch.minimum(first_miss, n)
         fit_exists = (n * b_q <= free) & (q > 0)
         # rule 3: the spec's split
         fp_spec = cum <= (1.0 - q) * room
-        n_spec = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, fp_spec.long())
-        used = torch.zeros(groups, dtype=torch.long, device=g.device).index_add_(0, g, c * fp_spec)
+        n_spec = ranking.totals(fp_spec.long())
+        used = ranking.totals(c * fp_spec)
         slots = torch.div((free - used).clamp(min=0), b_q, rounding_mode="floor") if q > 0 else torch.zeros_like(used)
         use_fit = fit_exists & (n_fit >= n_spec)
         n_fp = torch.where(use_fit, n_fit, n_spec)
         n_q = torch.where(use_fit, n - n_fit, slots)
         return n_fp, n_q
 
-    def _split_by_value(self, g: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
-                        c: torch.Tensor, cum: torch.Tensor, v: torch.Tensor, free: torch.Tensor, b_q: int,
-                        groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split_by_value(self, ranking: Ranking, c: torch.Tensor, cum: torch.Tensor, v: torch.Tensor,
+                        free: torch.Tensor, b_q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(n_fp, n_q) per group maximizing FP value + int2_value * INT2 value within the bytes.
 
         Candidate k FP windows (the top k, k = each rank; all-FP is rule 1) leaves
         ``free - cost(top k)`` for INT2 windows of ``b_q`` bytes each, taken next in rank."""
         eps = float(self.config.int2_value)
-        group_v = torch.zeros(groups, dtype=v.dtype, device=v.device).index_add_(0, g, v)
-        cum_v = torch.cumsum(v, 0) - (torch.cumsum(group_v, 0) - group_v)[g]  # inclusive, within group
+        g, rank, n, start, groups = ranking.group, ranking.rank, ranking.counts, ranking.start, ranking.groups
+        cum_v, _ = ranking.cumsum(v)  # inclusive, within group
         v_before = cum_v - v
         room = free[g] - (cum - c)  # bytes left with the windows ranked above this one in FP
         n_q = torch.minimum(torch.div(room.clamp(min=0), b_q, rounding_mode="floor"), n[g] - rank)
@@ -291,23 +288,16 @@ class TierRouter:
         return k, q_of
 
     # ------------------------------------------------------------------ apply
-    def _apply(self, layer, r: _LayerRouting, decision: torch.Tensor, fallback: torch.Tensor) -> None:
+    def apply(self, layer: RoutedLayer, r: LayerRouting, decision: torch.Tensor, fallback: torch.Tensor) -> None:
+        """Carry out one layer's window decisions: FP windows kept, demoted (through their stored
+        codes when the ledger has them) or dropped; INT2 windows kept, promoted or dropped."""
         store, tier = layer.store, layer.tier
         w = self.config.window
-        B, H, Wn = decision.shape
-        Lf = r.fp.length
-        fp_scores = r.scores[..., :Lf]
-        fp_pos, fp_valid = r.fp.positions, r.fp.valid
+        Wn = decision.shape[2]
+        fp_pos = r.fp.positions
         wid = r.window_ids(fp_pos).clamp(max=max(Wn - 1, 0))
         dec_fp = decision.gather(2, wid) if Wn else torch.full_like(fp_pos, EVICT)
-        rows_fallback = fallback[..., None]
-        keep_fp = fp_valid & (dec_fp == FP) & ~rows_fallback
-        if bool(fallback.any()):
-            # entry level: each fallback row keeps its best protected / pinned entries up to its capacity
-            pinned = fp_valid & (dec_fp == FP)
-            pick = top_k_mask(fp_scores.masked_fill(~pinned, float("-inf")), r.cap.view(-1, 1))
-            keep_fp = keep_fp | (pick & pinned & rows_fallback)
-        demote = fp_valid & (dec_fp == INT2) & ~rows_fallback
+        keep_fp, demote = r.fp_moves(dec_fp, fallback)
 
         # the ledger's windows
         n = len(tier)
@@ -331,20 +321,16 @@ class TierRouter:
         keep = stay | keep_dormant | promote | reactivate
         active = stay | reactivate
         if demoted is not None:
-            lookup = torch.full((B * H * max(Wn, 1),), -1, dtype=torch.long, device=decision.device)
-            if n:
-                lookup[tier.row * Wn + tier.window_id] = torch.arange(n, device=decision.device)
-            ledger_idx = lookup[demoted.row * Wn + demoted.window_id]
+            ledger_idx = r.ledger_lookup(tier)[demoted.row * Wn + demoted.window_id]
             reused = ledger_idx >= 0
             if bool(reused.any()):
                 kept_position = torch.cumsum(keep.long(), 0) - 1
-                at = ledger_idx[reused]
-                refreshed = {
-                    "index": kept_position[at],
-                    "positions": demoted.positions[reused],
-                    "modality": demoted.modality[reused],
-                    "state": {k: v[reused] for k, v in demoted.state.items()},
-                }
+                refreshed = RefreshedSlots(
+                    index=kept_position[ledger_idx[reused]],
+                    positions=demoted.positions[reused],
+                    modality=demoted.modality[reused],
+                    state={k: v[reused] for k, v in demoted.state.items()},
+                )
             fresh = ~reused
             if bool(fresh.any()):
                 idx = torch.nonzero(fresh).flatten()

@@ -3,8 +3,8 @@
 A window is ``w`` consecutive positions of one (batch, kv head) row, counted from the sequence's
 first real token: id ``(position - origin) // w`` with ``origin`` that token's position
 (``TokenLedger.first_positions``). So a sequence's windows hold the same tokens whatever padding
-its batch puts before them. The window router (``tier_router``) and the token-granular router
-(``token_routing``) share these.
+its batch puts before them. The window router (``window_router``) and the entry router
+(``entry_router``) share these.
 """
 
 from __future__ import annotations
