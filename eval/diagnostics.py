@@ -33,10 +33,9 @@ from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache.cache import CompressedCache
-from vlm_kv.cache.hooks import language_attn_implementation
+from vlm_kv.cache.hooks import eager_attention
 from vlm_kv.config import TierConfig
 from vlm_kv.eval.fidelity import text_tokens
-from vlm_kv.models.adapters import get_adapter
 
 # Default runs a window must stay out of full precision before it counts as "latent": one
 # event out is often a swap at the top-n boundary; two consecutive events (with the default
@@ -326,10 +325,7 @@ def reference_attention(model, ids: torch.Tensor, context: int, progress: bool =
 
     if ids.shape[0] != 1:
         raise ValueError(f"diagnostics run one sequence, got a batch of {ids.shape[0]}")
-    adapter = get_adapter(model)
-    before = language_attn_implementation(model, adapter)
-    model.set_attn_implementation("eager")  # the only implementation that returns probabilities
-    try:
+    with eager_attention(model) as adapter:
         cache = DynamicCache(config=model.config)
         arg = {cache_kwarg(model): cache}
         model(input_ids=ids[:, :context], **arg, use_cache=True)
@@ -344,9 +340,6 @@ def reference_attention(model, ids: torch.Tensor, context: int, progress: bool =
             for layer, probs in enumerate(attn):  # [1, Hq, 1, seen]
                 grouped = probs[0, :, -1].float().reshape(kv, -1, probs.shape[-1]).mean(1)
                 out[s, layer, :, : probs.shape[-1]] = grouped.to(torch.float16)
-    finally:
-        if before is not None and before != "eager":
-            model.set_attn_implementation(before)
     return out
 
 

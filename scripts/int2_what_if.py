@@ -56,7 +56,7 @@ def _exact(part: str) -> None:
     def view(self, states=(), with_values=True, dtype=None):
         dtype = dtype or self.dtype
         layout = self._layout()
-        idx, c = layout["idx"], self.codes
+        idx, c = layout.idx, self.codes
         host = idx.cpu()
         if part in ("keys", "both"):
             keys = self.spill.keys.index_select(0, host).to(self.device)
@@ -67,12 +67,12 @@ def _exact(part: str) -> None:
         else:
             values = tier_module._out_of(dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]),
                                           self.value_basis)
-        keys = self._lay(layout, keys, 0, dtype)
-        values = self._lay(layout, values, 0, dtype) if with_values else keys[..., :0]
-        padded = PaddedView(keys=keys, values=values, positions=layout["positions"], modality=layout["modality"],
-                            valid=layout["valid"],
-                            state={n: self._lay(layout, self.state[n][idx], 0.0, torch.float32) for n in states})
-        return TierView(padded, layout["slot"])
+        lay = layout.placement.lay
+        keys = lay(keys, 0, dtype)
+        values = lay(values, 0, dtype) if with_values else keys[..., :0]
+        padded = PaddedView(keys=keys, values=values, positions=layout.positions, modality=layout.modality,
+                            valid=layout.valid, state={n: lay(self.state[n][idx], 0.0, torch.float32) for n in states})
+        return TierView(padded, layout.slot)
 
     api._tier_config = with_spill
     Int2Tier.view = view

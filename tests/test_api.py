@@ -97,3 +97,15 @@ def test_new_spelling_does_not_warn_and_legacy_mixes_are_refused():
         vlm_kv.make_cache(model, "snapkv", 0.5, window=4)
     with pytest.raises(TypeError, match="unknown cache option"):
         vlm_kv.make_cache(model, "snapkv", 0.5, evict_evry=4)
+
+
+def test_the_deprecation_names_the_callers_line():
+    model = tiny_model("llama")
+    for policy in ("snapkv", "full"):
+        with pytest.warns(DeprecationWarning) as caught:
+            try:
+                vlm_kv.make_cache(model, policy, 1.0, slack=1) if policy == "snapkv" else vlm_kv.make_cache(
+                    model, policy, evict_every=None)
+            except ValueError:
+                pass
+        assert caught[0].filename == __file__

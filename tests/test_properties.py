@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import vlm_kv
-from vlm_kv.config import BudgetError
+from vlm_kv.config import BudgetError, CacheOptions
 from vlm_kv.policies import POLICIES
 from vlm_kv.cache.report import layer_tensor_bytes
 from vlm_kv.testing import record_evictions, tiny_gates, tiny_inputs, tiny_model
@@ -99,9 +99,9 @@ def _conversation(model, cache, sc):
 def test_random_scenarios_hold_the_budget_and_match_dynamic_cache_at_full_budget(sc):
     model = _model(sc["family"])
     spec = POLICIES[sc["policy"]]
-    kwargs = dict(evict_every=sc["evict_every"], slack=sc["slack"])
+    kwargs = dict(options=CacheOptions(evict_every=sc["evict_every"], slack=sc["slack"]))
     if sc["tiers"] and spec.tierable and spec.default_tiers is None:
-        kwargs.update(tiers="int2", window=sc["window"])
+        kwargs.update(tiers={"window": sc["window"]})
     if spec.needs_gates:
         kwargs["gates"] = _gates(sc["family"], spec.gate_kind)
     budget = sc["budget"]
@@ -204,9 +204,9 @@ def _batch_settings(sc) -> tuple[object, dict]:
     """(budget, make_cache keywords) of a scenario, mapped onto settings the policy takes."""
     spec = POLICIES[sc["policy"]]
     family = sc["family"]
-    kwargs = {"evict_every": sc["evict_every"]}
+    kwargs = {"options": CacheOptions(evict_every=sc["evict_every"])}
     if sc["tiers"] and spec.tierable and spec.default_tiers is None:
-        kwargs.update(tiers="int2", window=sc["window"])
+        kwargs.update(tiers={"window": sc["window"]})
     if spec.needs_gates:
         kwargs["gates"] = _gates(family, spec.gate_kind)
     budget = sc["budget"]

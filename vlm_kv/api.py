@@ -156,7 +156,8 @@ def tiers_with_fields(policy: str, tiers: str | None, fields: Mapping[str, Any])
     return dict(fields) if fields and tiered else tiers
 
 
-def _fold_legacy(options: CacheOptions | None, tiers: Tiers, legacy: dict[str, Any]) -> tuple[CacheOptions, Tiers]:
+def _fold_legacy(options: CacheOptions | None, tiers: Tiers, legacy: dict[str, Any],
+                 stacklevel: int = 3) -> tuple[CacheOptions, Tiers]:
     """Fold the keywords of earlier releases into ``options`` and the tier overrides, with a
     DeprecationWarning; anything else is an unknown keyword."""
     unknown = sorted(set(legacy) - set(LEGACY_CACHE_OPTIONS) - set(LEGACY_TIER_OPTIONS))
@@ -170,7 +171,7 @@ def _fold_legacy(options: CacheOptions | None, tiers: Tiers, legacy: dict[str, A
         return options or CacheOptions(), tiers
     warnings.warn(f"make_cache({', '.join(f'{k}=' for k in legacy)}) is deprecated: pass options=CacheOptions(...) "
                   "for the cache's run settings and tiers=\"int2\" / a dict of TierConfig fields / a TierConfig "
-                  "for the tiers", DeprecationWarning, stacklevel=3)
+                  "for the tiers", DeprecationWarning, stacklevel=stacklevel)  # the warning names the caller's line
     run = {k: v for k, v in legacy.items() if k in LEGACY_CACHE_OPTIONS}
     if run:
         if options is not None:
@@ -203,7 +204,8 @@ def _check_full(budget: Budget | float | int | None, tiers: Tiers, gates: Any, s
             f"policy 'full' is the uncompressed cache and keeps every token: it takes no budget (got "
             f"{Budget.parse(budget).describe()}); leave the budget out or pass 1.0"
         )
-    options, _ = _fold_legacy(options, None, {k: v for k, v in legacy.items() if k in LEGACY_CACHE_OPTIONS})
+    options, _ = _fold_legacy(options, None, {k: v for k, v in legacy.items() if k in LEGACY_CACHE_OPTIONS},
+                              stacklevel=4)
     ignored = [f"{f.name}=" for f in dataclasses.fields(CacheOptions)
                if getattr(options, f.name) != f.default]
     ignored += [f"{k}=" for k, v in legacy.items() if k in LEGACY_TIER_OPTIONS and v is not None and v is not False]

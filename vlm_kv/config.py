@@ -178,8 +178,8 @@ class TierConfig:
                                "(INT2 stays per window)", choices=("window", "token"))
     int2_share_by_budget: tuple[float, float, float, float] | None = None  # a policy's schedule, no flag
     # the compact grid (ours) beats the paper's fp16 grid on four pg84 passages at 0.05 / 0.1 / 0.25 for
-    # dbtrimkv and at 0.05 / 0.1 for H2O window mass (bf16; docs/tiers.md, session 8); qevict and
-    # kivi2 keep the published fp16 grid
+    # dbtrimkv and at 0.05 / 0.1 for H2O window mass (bf16; docs/tiers.md, session 8); kivi2 keeps the
+    # published fp16 grid (qevict takes this one: policies/catalog.py)
     key_grid: str = _tier_field("int8", "--key-grid", "the keys' per-channel scale/zero of an INT2 window in "
                                 "fp16 (the paper's) or as 8-bit codes (int8: a window 22%% cheaper at w 8, "
                                 "head_dim 64)", choices=KEY_GRIDS)

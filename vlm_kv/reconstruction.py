@@ -19,8 +19,7 @@ from transformers import DynamicCache
 
 from vlm_kv.api import cache_kwarg
 from vlm_kv.cache.cache import CompressedCache
-from vlm_kv.cache.hooks import language_attn_implementation
-from vlm_kv.models.adapters import get_adapter
+from vlm_kv.cache.hooks import eager_attention
 from vlm_kv.policies.kvzip import KVzipScorer
 
 #: what the model is asked before it reads the context back (KVzip's repeat instruction, our words)
@@ -34,10 +33,7 @@ def reconstruction_scores(model, input_ids: torch.Tensor, prompt_ids: torch.Tens
     from the queries that read ``prompt_ids`` + the context back after it."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, got {chunk}")
-    adapter = get_adapter(model)
-    before = language_attn_implementation(model, adapter)
-    model.set_attn_implementation("eager")  # the only implementation that returns probabilities
-    try:
+    with eager_attention(model) as adapter:
         cache = DynamicCache(config=model.config)
         arg = {cache_kwarg(model): cache}
         model(input_ids=input_ids, **arg, use_cache=True)
@@ -53,9 +49,6 @@ def reconstruction_scores(model, input_ids: torch.Tensor, prompt_ids: torch.Tens
             for layer, probs in enumerate(attn):  # [B, Hq, q, seen]
                 seen = probs[..., :p].float().amax(dim=2)  # [B, Hq, P]: over the reading queries
                 best[layer] = torch.maximum(best[layer], seen.reshape(b, kv, -1, p).amax(dim=2))
-    finally:
-        if before is not None and before != "eager":
-            model.set_attn_implementation(before)
     return best
 
 

@@ -3,24 +3,16 @@
 import json
 
 import pytest
-import torch
 
 import vlm_kv.cli.main as cli
 from vlm_kv.eval import multimodal_sweep as MS
 from vlm_kv.eval import sweep_cli
 from vlm_kv.eval.multimodal import MultimodalBench, MultimodalSettings
-from vlm_kv.models import smollava as S
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    lm = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                                      max_position_embeddings=4096, pad_token_id=2))
-    return S.build_smollava(lm, smollm2[1])
+def tiny(tiny_smollava):
+    return tiny_smollava
 
 
 def _bench(tiny, **kw):
