@@ -37,7 +37,7 @@ def test_token_budget_smaller_than_the_window_shrinks_the_window():
 @pytest.mark.parametrize("policy,budget", [("snapkv", 0.1), ("snapkv", 0.5), ("streaming_llm", 0.05), ("h2o", 0.1)])
 def test_fraction_budget_works_at_every_prompt_length(policy, budget, prompt):
     model = tiny_model("llama")
-    cache = vlm_kv.make_cache(model, policy=policy, budget=budget, evict_every=2)
+    cache = vlm_kv.make_cache(model, policy=policy, budget=budget, options=vlm_kv.CacheOptions(evict_every=2))
     ids = torch.randint(5, 100, (1, prompt), generator=torch.Generator().manual_seed(prompt))
     out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert out.shape[1] == prompt + 6

@@ -22,14 +22,16 @@ def test_two_image_turns_on_a_full_budget_cache_match_dynamic_cache():
     example = _example()
     model = tiny_model("qwen2_5_vl")
     ref = example.two_turns(model, DynamicCache(config=model.config))
-    out = example.two_turns(model, vlm_kv.make_cache(model, policy="snapkv", budget=1.0, scorer_kwargs={"window": 4}))
+    out = example.two_turns(model, vlm_kv.make_cache(model, policy="snapkv", budget=1.0,
+                                                     options=vlm_kv.CacheOptions(scorer_kwargs={"window": 4})))
     assert torch.equal(out, ref)
 
 
 def test_two_image_turns_on_a_compressed_cache_evict_and_keep_images():
     example = _example()
     model = tiny_model("qwen2_5_vl")
-    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5, evict_every=2, scorer_kwargs={"window": 4})
+    cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.5,
+                              options=vlm_kv.CacheOptions(evict_every=2, scorer_kwargs={"window": 4}))
     out = example.two_turns(model, cache)
     assert out.shape[1] > 0 and cache.eviction_steps >= 4
     assert cache.stats()["per_modality"]["image"] > 0

@@ -45,7 +45,7 @@ def _all_scores(cache, seen):
 def test_dbtrimkv_keeps_exactly_the_global_top_k():
     model = tiny_model("llama", num_layers=3)
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=_gates(model),
-                              scorer_kwargs={"num_sinks": 0})
+                              options=vlm_kv.CacheOptions(scorer_kwargs={"num_sinks": 0}))
     seen = _record_log_betas(cache)
     with torch.no_grad():
         model(input_ids=torch.randint(5, 200, (1, 64), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
@@ -70,7 +70,7 @@ def test_dbtrimkv_keeps_exactly_the_global_top_k():
 def test_trimkv_keeps_top_m_per_head():
     model = tiny_model("llama")
     cache = vlm_kv.make_cache(model, policy="trimkv", budget=8, gates=_gates(model, kind="trimkv"),
-                              scorer_kwargs={"num_sinks": 0})
+                              options=vlm_kv.CacheOptions(scorer_kwargs={"num_sinks": 0}))
     seen = _record_log_betas(cache)
     with torch.no_grad():
         model(input_ids=torch.randint(5, 200, (1, 40)), past_key_values=cache)
@@ -101,7 +101,8 @@ def test_modality_floor_and_cap_hold_with_images():
         ({"modality_floor": {"image": 0.6}}, lambda img, tot: img >= int(0.6 * tot)),
         ({"modality_cap": {"image": 0.1}}, lambda img, tot: img <= int(0.1 * tot)),
     ):
-        cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, gates=_gates(model), allocation_kwargs=kwargs)
+        cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, gates=_gates(model),
+                                  options=vlm_kv.CacheOptions(allocation_kwargs=kwargs))
         with torch.no_grad():
             model(**inputs, past_key_values=cache)
         stats = cache.stats()
@@ -130,7 +131,8 @@ def test_gates_round_trip_and_coupling_shares_the_last_projection(tmp_path):
 def test_gated_generate_with_images_holds_the_budget():
     model = tiny_model("qwen2_5_vl")
     inputs = tiny_inputs(model, batch_size=2, num_images=2, left_pad=2)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.4, gates=_gates(model), evict_every=4)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.4, gates=_gates(model),
+                              options=vlm_kv.CacheOptions(evict_every=4))
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 12
     assert cache.max_kv_bytes <= cache.budget_bytes() and cache.eviction_steps >= 3
@@ -141,8 +143,8 @@ def test_decode_steps_store_each_layers_gate_output_and_keep_the_global_top_k():
     stored token still carries its own layer's log beta, and eviction keeps the global top-k."""
     model = tiny_model("llama", num_layers=3)
     gates = _gates(model)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=gates, evict_every=1,
-                              scorer_kwargs={"num_sinks": 0})
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=gates,
+                              options=vlm_kv.CacheOptions(evict_every=1, scorer_kwargs={"num_sinks": 0}))
     seen = _record_log_betas(cache)
     hidden = {}  # the hidden state each layer's attention saw, per forward
 
@@ -182,8 +184,8 @@ def test_each_decode_eviction_keeps_the_global_top_k_of_what_it_held():
     """With gate outputs of decode steps stored at the end of each forward, every eviction step
     keeps the best-scoring entries over all layers and heads among those held before it."""
     model = tiny_model("llama", num_layers=3)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=_gates(model), evict_every=1,
-                              scorer_kwargs={"num_sinks": 0})
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=_gates(model),
+                              options=vlm_kv.CacheOptions(evict_every=1, scorer_kwargs={"num_sinks": 0}))
     seen = _record_log_betas(cache)
     ids = torch.randint(5, 200, (1, 44), generator=torch.Generator().manual_seed(3))
     steps_that_dropped = 0

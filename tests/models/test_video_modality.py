@@ -51,7 +51,8 @@ def test_video_tokens_are_counted_as_video(family_model):
 ])
 def test_dbtrimkv_video_floor_and_cap(family_model, kwargs, holds):
     _, model, inputs = family_model
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.4, gates=_gates(model), allocation_kwargs=kwargs)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.4, gates=_gates(model),
+                              options=vlm_kv.CacheOptions(allocation_kwargs=kwargs))
     with torch.no_grad():
         model(**inputs, past_key_values=cache)
     stats = cache.stats()
@@ -64,7 +65,7 @@ def test_dbtrimkv_video_floor_and_cap(family_model, kwargs, holds):
 def test_generate_with_video_on_a_compressed_cache(family_model):
     _, model, inputs = family_model
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.6, gates=_gates(model),
-                              allocation_kwargs={"modality_floor": {"video": 0.3}})
+                              options=vlm_kv.CacheOptions(allocation_kwargs={"modality_floor": {"video": 0.3}}))
     out = model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 3
     assert cache.stats()["per_modality"]["video"] > 0

@@ -180,7 +180,7 @@ def test_visual_pruners_on_tiny_vlms_leave_text_alone(family, policy, kwargs):
     inputs = tiny_inputs(model, num_images=2, text_len=16)
     modality = get_adapter(model).modality_of(inputs["input_ids"])[0]
     n_text, n_image = int((modality == 0).sum()), int((modality != 0).sum())
-    cache = vlm_kv.make_cache(model, policy, budget=1.0, scorer_kwargs=kwargs)
+    cache = vlm_kv.make_cache(model, policy, budget=1.0, options=vlm_kv.CacheOptions(scorer_kwargs=kwargs))
     with torch.no_grad():
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4

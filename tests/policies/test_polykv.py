@@ -124,7 +124,8 @@ def test_on_a_model_each_layer_matches_its_single_policy_cache():
 def test_global_budget_holds_after_every_eviction_step(budget):
     model = _tiny(3)
     strategy = _real(model, ["snapkv", "h2o", "tova"], [1, 3, 2], 0.2, decode=["streaming_llm", "adakv", "h2o"])
-    cache = vlm_kv.make_cache(model, policy="polykv", budget=budget, strategy=strategy, evict_every=4)
+    cache = vlm_kv.make_cache(model, policy="polykv", budget=budget, strategy=strategy,
+                              options=vlm_kv.CacheOptions(evict_every=4))
     ids = torch.randint(5, model.config.vocab_size, (2, 48 + 40), generator=torch.Generator().manual_seed(0))
     after = []
     evict = cache.evict
@@ -154,7 +155,8 @@ def test_budget_one_equals_dynamic_cache():
     kwargs = dict(max_new_tokens=20, do_sample=False)
     with torch.no_grad():
         ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
-        cache = vlm_kv.make_cache(model, policy="polykv", budget=1.0, strategy=strategy, evict_every=3)
+        cache = vlm_kv.make_cache(model, policy="polykv", budget=1.0, strategy=strategy,
+                                  options=vlm_kv.CacheOptions(evict_every=3))
         out = model.generate(ids, past_key_values=cache, **kwargs)
     assert torch.equal(out, ref)
     assert cache.eviction_steps > 1 and cache.evicted_entries == 0
@@ -195,7 +197,7 @@ def test_one_pattern_with_uniform_shares_is_that_policy(policy):
     ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
     outs = []
     for kwargs in (dict(policy="polykv", strategy=strategy), dict(policy=policy)):
-        cache = vlm_kv.make_cache(model, budget=0.2, evict_every=3, **kwargs)
+        cache = vlm_kv.make_cache(model, budget=0.2, **kwargs, options=vlm_kv.CacheOptions(evict_every=3))
         with torch.no_grad():
             outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
                                        output_scores=True, return_dict_in_generate=True))

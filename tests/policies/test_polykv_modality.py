@@ -89,7 +89,8 @@ def test_tiny_vlm_keeps_the_image_share_and_the_global_budget(pattern):
     entries = [LayerEntry(pattern, budget / 2, modality={"text": 1 - image_share, "image": image_share})
                for _ in range(2)]
     strategy = Strategy(model=fp, budget=budget, layers={"prefill": entries}).validate()
-    cache = vlm_kv.make_cache(model, policy="polykv", budget=budget, strategy=strategy, evict_every=4)
+    cache = vlm_kv.make_cache(model, policy="polykv", budget=budget, strategy=strategy,
+                              options=vlm_kv.CacheOptions(evict_every=4))
     with torch.no_grad():
         model(**inputs, past_key_values=cache, use_cache=True)
     cap = int(budget * n)

@@ -20,8 +20,8 @@ def _gates(model, seed=0):
 
 
 def _run(model, gates, log_alpha, sinks, decode=3):
-    cache = vlm_kv.make_cache(model, "dbtrimkv_threshold", budget=1.0, gates=gates, evict_every=1,
-                              scorer_kwargs={"num_sinks": sinks}, allocation_kwargs={"log_alpha": log_alpha})
+    cache = vlm_kv.make_cache(model, "dbtrimkv_threshold", budget=1.0, gates=gates,
+                              options=vlm_kv.CacheOptions(evict_every=1, scorer_kwargs={"num_sinks": sinks}, allocation_kwargs={"log_alpha": log_alpha}))
     seen = {}
     store = cache.store_log_beta
 

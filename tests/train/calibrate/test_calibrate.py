@@ -189,7 +189,8 @@ def test_budget_shares_from_the_gates(setup, tmp_path):
     from vlm_kv.train.calibrate.calibrate import calibration_windows
     from vlm_kv.train.calibrate.probes import feed
     (window,) = calibration_windows(tok, [text], cfg)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, gates=gates, evict_every=4, seed=3)
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, gates=gates,
+                              options=vlm_kv.CacheOptions(evict_every=4, seed=3))
     feed(model, cache, window.ids, 48)
     assert entries == [layer.store.num_entries() for layer in cache.layers]
     budgets = [e.budget for e in s.layers["prefill"]]

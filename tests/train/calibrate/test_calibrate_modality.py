@@ -135,7 +135,8 @@ def test_image_calibration_writes_shares_is_deterministic_and_resumes(setup, mon
     full.save(str(path))
     loaded = Strategy.load(str(path), model=model)
     assert [e.modality for e in loaded.layers["prefill"]] == [e.modality for e in full.layers["prefill"]]
-    cache = vlm_kv.make_cache(model, policy="polykv", budget=0.3, strategy=str(path), evict_every=4)
+    cache = vlm_kv.make_cache(model, policy="polykv", budget=0.3, strategy=str(path),
+                              options=vlm_kv.CacheOptions(evict_every=4))
     steps = record_evictions(cache)
     inputs = tiny_inputs(model, num_images=2, text_len=60)
     with torch.no_grad():
