@@ -1,0 +1,89 @@
+"""The retrieval tables of docs/retrieval/: relative accuracy per cache, budget and question placement.
+
+    python scripts/retrieval_table.py docs/retrieval      # writes table.md, table.csv and relative_accuracy.png there
+
+Reads every ``*/sweep_retrieval.json`` below the folder (one sweep per dtype / tiering / --ask).
+A cell's interval is the 95 % Wilson interval of its accuracy over its trials, divided by the
+full cache's accuracy on the same trials.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 1.0)
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def rows(folder: Path) -> list[dict]:
+    out = []
+    for path in sorted(folder.glob("*/sweep_retrieval.json")):
+        state = json.loads(path.read_text())
+        settings = state["settings"]
+        dtype = "bfloat16" if "bfloat16" in str(settings.get("model")) else "float32"
+        tiers = (settings.get("cache_kwargs") or {}).get("tiers")
+        ask = settings.get("ask", "prompt")
+        for r in state["rows"]:
+            if r.get("error") or r.get("accuracy") is None:
+                continue
+            n = len(r["records"])
+            hits = sum(1 for x in r["records"] if x["correct"])
+            full = r["full_accuracy"] or float("nan")
+            lo, hi = wilson(hits, n)
+            cache = f"{r['policy']}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
+            out.append({"cache": cache, "ask": ask, "budget": r["budget"], "n": n, "accuracy": r["accuracy"],
+                        "full_accuracy": r["full_accuracy"], "relative": r["accuracy"] / full,
+                        "relative_lo": lo / full, "relative_hi": hi / full, "kv_fraction": r["max_kv_bytes_after_eviction"] / r["full_kv_bytes_at_end"],
+                        "run": path.parent.name})
+    return out
+
+
+def main() -> None:
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/retrieval")
+    table = rows(folder)
+    with open(folder / "table.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    lines = ["| cache | question | budget | relative accuracy (95 % interval) | correct / trials | full cache |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(table, key=lambda r: (r["ask"], r["cache"], r["budget"])):
+        lines.append(f"| {r['cache']} | {r['ask']} | {r['budget']} | {r['relative']:.2f} ({r['relative_lo']:.2f}-"
+                     f"{r['relative_hi']:.2f}) | {round(r['accuracy'] * r['n'])} / {r['n']} | {r['full_accuracy']:.2f} |")
+    (folder / "table.md").write_text("\n".join(lines) + "\n")
+    asks = sorted({r["ask"] for r in table})
+    fig, axes = plt.subplots(1, len(asks), figsize=(5.5 * len(asks), 4), squeeze=False, sharey=True)
+    for ax, ask in zip(axes[0], asks):
+        for cache in sorted({r["cache"] for r in table if r["ask"] == ask}):
+            pts = sorted((r["budget"], r["relative"], r["relative_lo"], r["relative_hi"]) for r in table
+                         if r["ask"] == ask and r["cache"] == cache)
+            xs = [p[0] for p in pts]
+            ax.errorbar(xs, [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                        marker="o", capsize=3, label=cache)
+        ax.set(title=f"question asked {'in the prompt' if ask == 'prompt' else 'later, in a new turn'}",
+               xlabel="budget (fraction of the full cache)", xscale="log", ylim=(-0.05, 1.1))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy relative to the full cache")
+    axes[0][-1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(folder / "relative_accuracy.png", dpi=120)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
