@@ -298,9 +298,7 @@ def run_mathvision(
     if todo:
         # settings errors (unknown policy, impossible budget) are the run's, not a problem's:
         # fail before writing anything rather than recording the same error for every problem
-        factory = make_cache
-        if factory is None:
-            from vlm_kv import make_cache as factory
+        factory = make_cache if make_cache is not None else _make_cache
         factory(model, policy=policy, budget=budget, **(cache_kwargs or {}))
 
     bar = None
@@ -364,7 +362,7 @@ def _run_one(model, processor, problem: MathVisionProblem, **kw) -> dict[str, An
             traceback=traceback.format_exc(limit=6),
             seconds=round(time.perf_counter() - start, 3),
         )
-        _free_accelerator_memory()
+        free_accelerator_memory()
         return row
     row.update(info)
     row["seconds"] = round(time.perf_counter() - start, 3)
@@ -376,14 +374,10 @@ def _run_one(model, processor, problem: MathVisionProblem, **kw) -> dict[str, An
     return row
 
 
-def _free_accelerator_memory() -> None:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:
-        pass
+def free_accelerator_memory() -> None:
+    """Give cached accelerator memory back between runs (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _summarize(out: Path, selected, latest, n_generated, n_skipped, config, repeated=()) -> RunSummary:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from vlm_kv.eval.diagnostics import DiagnosticColumns
 from vlm_kv.eval.fidelity import measure, run_reference, text_tokens
 from vlm_kv.eval.kv_meter import CacheMeter
-from vlm_kv.eval.mathvision_run import run_mathvision
+from vlm_kv.eval.mathvision_run import free_accelerator_memory, run_mathvision
 from vlm_kv.eval.mmdu_judge import LocalJudge, judge_name
 from vlm_kv.eval.mmdu_run import generate_answers, judge_answers, summarize
 from vlm_kv.eval.retrieval import RetrievalSettings, retrieval
@@ -39,13 +39,7 @@ class Metric:
 
 def _free_memory() -> None:
     gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:  # pragma: no cover
-        pass
+    free_accelerator_memory()
 
 
 
