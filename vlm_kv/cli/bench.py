@@ -202,6 +202,10 @@ class BenchPlan:
     prefill_chunk: int | None = None
     strategy: str | None = None
     tiers: str | dict | None = None
+    layerwise_prefill: bool = True
+
+    def options(self) -> CacheOptions:
+        return CacheOptions(prefill_chunk=self.prefill_chunk, layerwise_prefill=self.layerwise_prefill)
 
     def runs(self) -> list[tuple[int, str, float | None]]:
         return planned_runs(list(self.contexts), list(self.policies), list(self.budgets))
@@ -212,7 +216,7 @@ class BenchPlan:
             return DynamicCache(config=model.config)
         strategy = self.strategy if policy == "polykv" else None
         return make_cache(model, policy=policy, budget=budget, tiers=self.tiers, strategy=strategy,
-                          options=CacheOptions(prefill_chunk=self.prefill_chunk))
+                          options=self.options())
 
 
 def run_planned(model, ids: torch.Tensor, run: tuple[int, str, float | None], plan: BenchPlan,

@@ -15,6 +15,7 @@ from vlm_kv.arguments.subcommands import add_unavailable, run_command
 from vlm_kv.arguments.tier_flags import add_tier_args, tier_kwargs
 from vlm_kv.cli.bench import BenchPlan, bench, bench_interleaved, bench_isolated, plot_rows
 from vlm_kv.cli.demo import run_demo
+from vlm_kv.cli.demo_image import ImageDemoSettings, run_image_demo
 from vlm_kv.config import BUDGET_HELP, CacheOptions, budget_value
 from vlm_kv.eval.diagnostics import check_params, diagnose, format_table, plot
 from vlm_kv.eval.fidelity import fidelity, text_span
@@ -106,12 +107,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_model(args.model)
     plan = BenchPlan(tuple(contexts), tuple(policies), tuple(budgets), text_path=args.text, steps=args.steps,
                      repeats=args.repeats, prefill_chunk=args.prefill_chunk, strategy=args.strategy,
-                     tiers=tier_kwargs(args).get("tiers"))
+                     tiers=tier_kwargs(args).get("tiers"), layerwise_prefill=not args.prefill_at_end)
     for policy in policies:  # DynamicCache runs anyway; "full" takes no budget
         strategy = plan.strategy if policy == "polykv" else None
         for budget in budgets if policy != "full" else ():
-            check_cache_options(policy, budget, tiers=plan.tiers, strategy=strategy,
-                                options=CacheOptions(prefill_chunk=plan.prefill_chunk))
+            check_cache_options(policy, budget, tiers=plan.tiers, strategy=strategy, options=plan.options())
     if args.interleave or args.in_process:
         if not args.json:
             print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", flush=True)
@@ -140,12 +140,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    budget = budget_value(args.budget)
-    policy = _check_policy(args.policy, args.gates)
-    check_cache_options(policy, budget, gates=args.gates, strategy=args.strategy)
-    check_model("smollm2")
-    return run_demo(policy=policy, budget=budget, max_new_tokens=args.max_new_tokens, gates=args.gates,
-                    strategy=args.strategy)
+    image_only = {"--png": args.png, "--data-seed": args.data_seed, "--images": args.images}
+    if not args.image:
+        given = [flag for flag, value in image_only.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --image (the image question on smollava)")
+        budget = budget_value(args.budget)
+        policy = _check_policy(args.policy or "dbtrimkv", args.gates)
+        check_cache_options(policy, budget, gates=args.gates, strategy=args.strategy)
+        check_model("smollm2")
+        max_new_tokens = 48 if args.max_new_tokens is None else args.max_new_tokens
+        return run_demo(policy=policy, budget=budget, max_new_tokens=max_new_tokens, gates=args.gates,
+                        strategy=args.strategy)
+    # defaults live here, not in the parser, so that the text demo keeps its own (dbtrimkv, 48 tokens)
+    settings = ImageDemoSettings(
+        policy=_check_policy(args.policy or "snapkv", args.gates), budget=budget_value(args.budget),
+        data_seed=1 if args.data_seed is None else args.data_seed, images=4 if args.images is None else args.images,
+        max_new_tokens=ImageDemoSettings.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
+        png=args.png or "vlm_kv_demo.png", gates=args.gates, strategy=args.strategy)
+    settings.validate()  # every argument before the model loads
+    check_model("smollava")
+    run_image_demo(settings)
+    return 0
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -213,12 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_diagnose_parser(sub)
 
-    p = sub.add_parser("demo", help="SmolLM2 answers two turns of questions about a long text, full vs compressed cache")
-    p.add_argument("--policy", default="dbtrimkv", help="default: the learned gates shipped for SmolLM2")
+    p = sub.add_parser("demo", help="SmolLM2 answers two turns of questions about a long text, full vs compressed "
+                                     "cache; --image: smollava answers a question about one of several images")
+    p.add_argument("--policy", default=None,
+                   help="default: dbtrimkv (the learned gates shipped for SmolLM2); snapkv with --image")
     p.add_argument("--budget", default="0.25", help=BUDGET_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 48 (16 with --image)")
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
+    p.add_argument("--image", action="store_true",
+                   help="ask smollava a held-out question about one of several generated images instead, and "
+                        "draw the image patches the compressed cache kept")
+    p.add_argument("--png", default=None, help="with --image: where to write the kept-patch PNG (default vlm_kv_demo.png)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="with --image: data seed of the generated item (default 1; training used seed 0 only)")
+    p.add_argument("--images", type=int, default=None, help="with --image: images in the context (default 4)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("fidelity", help="KL / top-1 / NLL of a compressed cache vs the full cache on real text")
@@ -242,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="snapkv,dbtrimkv", help="comma-separated policies (DynamicCache always runs too)")
     p.add_argument("--budgets", default="0.1", help="comma-separated budgets, each " + BUDGET_HELP)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of N tokens, evicting between chunks")
+    p.add_argument("--prefill-at-end", action="store_true",
+                   help="evict / route a prompt in one step at the end of its forward, not layer by layer "
+                        "(CacheOptions.layerwise_prefill=False; the same entries, more memory during the prefill)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (the median is reported)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
