@@ -45,7 +45,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 #: make_cache's keywords before CacheOptions and TierConfig bundled them; accepted for one
 #: release with a DeprecationWarning
-LEGACY_CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(CacheOptions))
+LEGACY_CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(CacheOptions) if f.name != "layerwise_prefill")
 LEGACY_TIER_OPTIONS = ("int2_share", "window", "key_rope", "spill", "int2_value", "fp_unit", "int2_share_by_budget",
                        "key_grid", "basis")
 DEFAULT_BUDGET = 0.25

@@ -249,6 +249,11 @@ class CacheOptions:
     ``allocation``: override how the budget is spread (uniform, pyramid, adaptive, global).
     ``scorer_kwargs`` / ``allocation_kwargs``: fields of the policy's scorer / allocation dataclass
     (e.g. ``{"window": 8}`` for snapkv's observation window).
+    ``layerwise_prefill``: a prompt (or each of its chunks) is evicted, or routed between tiers, in
+    each layer right after that layer's attention, so its full keys and values never sit in every
+    layer at once; the same entries are kept as by one step at the end of the forward (False: that
+    step, which holds the whole prompt in every layer until the forward ends). A global ranking
+    (dbtrimkv) drops early only what can no longer be chosen; tiered, it routes at the end.
     """
 
     evict_every: int | None = None
@@ -259,8 +264,11 @@ class CacheOptions:
     allocation: str | None = None
     scorer_kwargs: dict | None = None
     allocation_kwargs: dict | None = None
+    layerwise_prefill: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layerwise_prefill, bool):
+            raise TypeError(f"layerwise_prefill must be True or False, got {self.layerwise_prefill!r}")
         e = self.evict_every
         if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
             raise ValueError(f"evict_every must be an integer >= 1 (decode steps), got {e!r}")

@@ -77,6 +77,7 @@ class CompressedCache(Cache):
         self.policy_name = policy_name
         self.model_id = model_id
         self.prefill_chunk = options.prefill_chunk
+        self.layerwise_prefill = options.layerwise_prefill
         self.paths = AttentionPaths(options.attention_backend)
         self.num_layers = adapter.num_layers
         self.gate_handoff = GateHandOff(gates, self.num_layers)
@@ -133,7 +134,7 @@ class CompressedCache(Cache):
         self.ledger.announce(input_ids, attention_mask, q_len)
         self._layerwise = None
         self._fresh_forward = self.call_started_empty if self.call_started_empty is not None else self.is_empty()
-        self._evicts_at_end = not self._fresh_forward or self.router is not None
+        self._evicts_at_end = not self._fresh_forward or not self.layerwise_prefill
         handoff.begin_forward()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -169,23 +170,30 @@ class CompressedCache(Cache):
         return all(layer.seen == 0 for layer in self.layers)
 
     def after_prefill_attention(self, layer: CompressedLayer) -> None:
-        """A layer attended over several new tokens: evict from it now rather than at the end of
-        the forward, so the prompt's keys and values never fill every layer.
+        """A layer attended over several new tokens: evict from it (or route it between tiers) now
+        rather than at the end of the forward, so the prompt's keys and values never fill every layer.
 
         Only a call that started on an empty cache does this (a prompt, or each chunk of a prompt
         fed in chunks): if it fails half-way, undoing it means emptying the cache, and nothing
-        held before the call is lost. A new turn on a non-empty cache, and a tiered cache, evict
-        at the end of the forward."""
+        held before the call is lost. A new turn on a non-empty cache evicts at the end of its
+        forward (``prefill_chunk`` bounds what it holds meanwhile), as does a tiered cache under a
+        global allocation (its ranking spans every layer)."""
         if self._evicts_at_end:
             return
         start = time.perf_counter()
         if self._layerwise is None:
-            self._layerwise = self.evictor.begin_layerwise(self.ledger, self.num_layers)
+            if self.router is not None:
+                self._layerwise = self.router.begin_layerwise(self.evictor, self.ledger, self.num_layers)
+            else:
+                self._layerwise = self.evictor.begin_layerwise(self.ledger, self.num_layers)
             if self._layerwise is None:  # not splittable by layer: the end-of-forward step does it all
                 self._evicts_at_end = True
                 return
         self.peak_kv_bytes = max(self.peak_kv_bytes, report.total_kv_bytes(self))
-        self.evictor.evict_layer(self._layerwise, layer, self.ledger)
+        if self.router is not None:
+            self.router.route_layer(self._layerwise, layer)
+        else:
+            self.evictor.evict_layer(self._layerwise, layer, self.ledger)
         self.evict_seconds += time.perf_counter() - start
 
     def end_forward(self) -> None:
@@ -224,7 +232,9 @@ class CompressedCache(Cache):
             return
         start = time.perf_counter()
         step, self._layerwise = self._layerwise, None
-        if self.router is not None:
+        if self.router is not None and step is not None:
+            self.router.finish_layerwise(step, layers)
+        elif self.router is not None:
             self.router.route(self.evictor, layers, self.ledger)
         elif step is not None:
             self.evictor.finish_layerwise(step, layers, self.ledger)

@@ -329,7 +329,8 @@ class VarlenKVStore:
     def set_tail_state(self, name: str, values: torch.Tensor) -> None:
         """Overwrite the state of the newest ``values.shape[-1]`` tail entries ([B, H, Q])."""
         q = values.shape[-1]
-        self._tail_state[name][..., self.tail_size - q : self.tail_size].copy_(values)
+        with torch.no_grad():  # policy state is bookkeeping, never differentiated (see add_state_split)
+            self._tail_state[name][..., self.tail_size - q : self.tail_size].copy_(values)
 
     def split_padded(self, padded: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A per-entry [B, H, L] quantity laid out like ``padded_view``, split as the store lays
@@ -346,10 +347,14 @@ class VarlenKVStore:
 
     def add_state_split(self, name: str, body: torch.Tensor | None, tail: torch.Tensor | None) -> None:
         """Add a quantity given where the entries lie: ``body`` [N] in body order, ``tail`` [B, H, T]."""
-        if body is not None and self.body_size:
-            self.body_state[name] += body
-        if tail is not None and self.tail_size:
-            self._tail_state[name][..., : self.tail_size] += tail
+        # policy state is bookkeeping, never differentiated: a forward run in grad mode (a user's
+        # ``model(...)`` outside ``torch.no_grad``) must not try to record in-place adds to buffers
+        # an eviction step rebuilt under no_grad (that raised for h2o-like scorers in a chunked prefill)
+        with torch.no_grad():
+            if body is not None and self.body_size:
+                self.body_state[name] += body
+            if tail is not None and self.tail_size:
+                self._tail_state[name][..., : self.tail_size] += tail
 
     # ------------------------------------------------------------------ views
     def body_dense(self) -> tuple[torch.Tensor, torch.Tensor]:

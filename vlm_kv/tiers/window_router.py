@@ -60,7 +60,7 @@ from vlm_kv.tiers.windows import (
     window_value,
 )
 
-__all__ = ["EVICT", "FP", "INT2", "TierRouter", "WindowRouter", "merge_views", "reduce_windows", "router_for", "unsort"]
+__all__ = ["EVICT", "FP", "INT2", "LayerwiseRouting", "TierRouter", "WindowRouter", "merge_views", "reduce_windows", "router_for", "unsort"]
 
 
 def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedView, torch.Tensor | None]:
@@ -119,38 +119,93 @@ class TierRouter:
         """One routing event over every layer; afterwards the held bytes are within the budget."""
         caps, scorer, allocation = evictor.begin_step(ledger)
         before = sum(layer.num_entries() for layer in layers)
-        w = self.config.window
-        states = evictor.scorer.state_names
-        num_layers = len(layers)
-        # each sequence's capacity over its real tokens (the entry router's INT2 share follows it)
-        fraction = caps.double() / ledger.valid_tokens.to(caps.device).clamp(min=1).double()
-        routings = []
-        for layer in layers:
-            layer_scorer = scorer.for_layer(layer.layer_idx)
-            window = evictor.protected(caps, layer_scorer)[1]  # each sequence's own, never the batch's
-            cap_layer = allocation.for_layer(layer.layer_idx).layer_capacity(layer.layer_idx, num_layers, caps, window)
-            fp = layer.store.padded_view(with_values=True, states=states)
-            tv = layer.tier.view(states=states, with_values=False, dtype=fp.keys.dtype)
-            merged, perm = merge_views(fp, tv.view, sort=True)
-            scores = unsort(evictor.layer_scores(scorer, layer, merged, cap_layer, ledger, num_layers), perm)
-            routings.append(LayerRouting(
-                fp=fp, tier_slot=tv.slot, scores=scores,
-                positions=torch.cat([fp.positions, tv.view.positions], dim=2),
-                valid=torch.cat([fp.valid, tv.view.valid], dim=2),
-                num_windows=-(-layer.seen // w), cap=cap_layer,
-                origin=ledger.first_positions.to(caps.device).clamp(max=layer.seen), window=w,
-                budget_fraction=fraction,
-            ))
+        event = _Event(evictor, ledger, caps, scorer, allocation, len(layers))
+        routings = [event.routing(layer, self.config.window) for layer in layers]
         decisions, fallback = self._decide(layers, routings, allocation, scorer)
         for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
             self.strategy.apply(layer, r, dec, fb)
         evictor.end_step(before, sum(layer.num_entries() for layer in layers))
+
+    # ------------------------------------------------------------ layer by layer, during a prefill
+    def begin_layerwise(self, evictor: Evictor, ledger: TokenLedger, num_layers: int) -> "LayerwiseRouting | None":
+        """A prompt's routing event taken one layer at a time, right after each layer's attention,
+        or None where a layer's decisions depend on other layers (a global allocation ranks one
+        list per sequence over every layer: that event waits for the end of the forward)."""
+        evictor.phase = "prefill"
+        caps, scorer, allocation = evictor.begin_step(ledger)
+        if allocation.is_global:
+            return None
+        return LayerwiseRouting(_Event(evictor, ledger, caps, scorer, allocation, num_layers))
+
+    @torch.no_grad()
+    def route_layer(self, step: "LayerwiseRouting", layer: RoutedLayer) -> None:
+        """Route one layer now. Its groups (a row, or a layer's rows) hold only its own entries, so
+        this decides exactly what the end-of-forward event would for it."""
+        event = step.event
+        routing = event.routing(layer, self.config.window)
+        step.before[layer.layer_idx] = layer.num_entries()
+        decisions, fallback = self._decide([layer], [routing], event.allocation, event.scorer)
+        self.strategy.apply(layer, routing, decisions[0], fallback[0])
+
+    @torch.no_grad()
+    def finish_layerwise(self, step: "LayerwiseRouting", layers: Sequence[RoutedLayer]) -> None:
+        """End of the prefill: route the layers that did not attend (if any) and close the event."""
+        for layer in layers:
+            if layer.layer_idx not in step.before:
+                self.route_layer(step, layer)
+        before = sum(step.before.values())
+        step.event.evictor.end_step(before, sum(layer.num_entries() for layer in layers))
 
     def _decide(self, layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting], allocation: Allocation,
                 scorer: Scorer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # the one seam every event's decisions pass through: vlm_kv.testing.route_with_forced_decision
         # overrides it on an instance to force one window's move
         return self.strategy.decide(layers, routings, allocation, scorer)
+
+
+@dataclass
+class _Event:
+    """What one routing event fixes for all its layers: each sequence's capacity, the step's scorer
+    and allocation, and how many layers the allocation spreads the budget over."""
+
+    evictor: Evictor
+    ledger: TokenLedger
+    caps: torch.Tensor
+    scorer: Scorer
+    allocation: Allocation
+    num_layers: int
+
+    def routing(self, layer: RoutedLayer, window: int) -> LayerRouting:
+        """One layer's entries (FP and INT2 alike), scored together, with its capacity."""
+        evictor, ledger, caps = self.evictor, self.ledger, self.caps
+        states = evictor.scorer.state_names
+        layer_scorer = self.scorer.for_layer(layer.layer_idx)
+        protected_window = evictor.protected(caps, layer_scorer)[1]  # each sequence's own, never the batch's
+        cap_layer = self.allocation.for_layer(layer.layer_idx).layer_capacity(layer.layer_idx, self.num_layers, caps,
+                                                                              protected_window)
+        fp = layer.store.padded_view(with_values=True, states=states)
+        tv = layer.tier.view(states=states, with_values=False, dtype=fp.keys.dtype)
+        merged, perm = merge_views(fp, tv.view, sort=True)
+        scores = unsort(evictor.layer_scores(self.scorer, layer, merged, cap_layer, ledger, self.num_layers), perm)
+        # each sequence's capacity over its real tokens (the entry router's INT2 share follows it)
+        fraction = caps.double() / ledger.valid_tokens.to(caps.device).clamp(min=1).double()
+        return LayerRouting(
+            fp=fp, tier_slot=tv.slot, scores=scores,
+            positions=torch.cat([fp.positions, tv.view.positions], dim=2),
+            valid=torch.cat([fp.valid, tv.view.valid], dim=2),
+            num_windows=-(-layer.seen // window), cap=cap_layer,
+            origin=ledger.first_positions.to(caps.device).clamp(max=layer.seen), window=window,
+            budget_fraction=fraction,
+        )
+
+
+class LayerwiseRouting:
+    """A prompt's routing event in flight, one layer at a time (``TierRouter.begin_layerwise``):
+    the prompt's full keys and values never sit in every layer at once."""
+
+    def __init__(self, event: _Event) -> None:
+        self.event = event
+        self.before: dict[int, int] = {}  # layer -> entries it held before it was routed
 
 
 @dataclass

@@ -1,0 +1,135 @@
+"""A tiered cache routes a prompt layer by layer (CacheOptions.layerwise_prefill), keeping exactly
+what one routing event at the end of the forward keeps."""
+import dataclasses
+
+import pytest
+import torch
+
+import vlm_kv
+from vlm_kv.config import CacheOptions
+from vlm_kv.testing import tiny_inputs, tiny_model
+
+# per-layer groups: snapkv (uniform), adakv (a layer's heads), pyramidkv, qevict (windows), kivi2
+LAYERWISE = [("snapkv", "int2"), ("adakv", "int2"), ("pyramidkv", "int2"), ("qevict", None),
+             ("snapkv", {"fp_unit": "token"})]
+
+
+def _cache(model, policy, tiers, budget, layerwise, **options):
+    options.setdefault("scorer_kwargs", {"window": 4} if policy in ("snapkv", "adakv", "pyramidkv") else None)
+    return vlm_kv.make_cache(model, policy=policy, budget=budget, tiers=tiers,
+                             options=CacheOptions(layerwise_prefill=layerwise, **options))
+
+
+def _assert_same_tiers(a, b) -> None:
+    for la, lb in zip(a.layers, b.layers):
+        pa, ta = la.held_positions()
+        pb, tb = lb.held_positions()
+        assert torch.equal(pa, pb) and torch.equal(ta, tb)
+        assert torch.equal(la.tier.row, lb.tier.row) and torch.equal(la.tier.active, lb.tier.active)
+        assert torch.equal(la.tier.positions, lb.tier.positions)
+        for field in dataclasses.fields(la.tier.codes):
+            assert torch.equal(getattr(la.tier.codes, field.name), getattr(lb.tier.codes, field.name)), field.name
+
+
+@pytest.mark.parametrize("policy,tiers", LAYERWISE)
+def test_layerwise_routing_keeps_the_tiers_codes_and_logits_of_end_of_forward_routing(policy, tiers):
+    model = tiny_model("llama", num_layers=3)
+    inputs = tiny_inputs(model, batch_size=2, num_images=0, text_len=90, left_pad=5)
+    kwargs = dict(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    layerwise = _cache(model, policy, tiers, 0.25, True)
+    at_end = _cache(model, policy, tiers, 0.25, False)
+    model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], cache=layerwise)
+    model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], cache=at_end)
+    assert sum(layer.tier.num_active for layer in layerwise.layers) > 0  # the prompt put windows in INT2
+    _assert_same_tiers(layerwise, at_end)
+    # every layer was routed before the forward ended: the peak is the budget plus about one layer
+    layer_bytes = at_end.full_kv_bytes() // at_end.num_layers
+    assert layerwise.peak_kv_bytes <= layerwise.budget_bytes() + layer_bytes < at_end.peak_kv_bytes
+    assert layerwise.eviction_steps == at_end.eviction_steps == 1
+    assert layerwise.evicted_entries == at_end.evicted_entries
+    # and generation continues identically
+    out_a = model.generate(**kwargs, cache=_cache(model, policy, tiers, 0.25, True))
+    out_b = model.generate(**kwargs, cache=_cache(model, policy, tiers, 0.25, False))
+    assert torch.equal(out_a.sequences, out_b.sequences)
+    assert torch.equal(torch.stack(out_a.logits), torch.stack(out_b.logits))
+
+
+def test_kivi2_quantizes_each_layer_as_it_goes():
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(16, 200, (1, 400), generator=torch.Generator().manual_seed(2))
+    caches = [_cache(model, "kivi2", None, 1.0, flag) for flag in (True, False)]
+    logits = [model(input_ids=ids, cache=cache).logits for cache in caches]
+    assert torch.equal(logits[0], logits[1])
+    _assert_same_tiers(*caches)
+    layer_bytes = caches[1].full_kv_bytes() // caches[1].num_layers
+    assert caches[0].peak_kv_bytes < caches[1].peak_kv_bytes == caches[1].full_kv_bytes()
+    assert caches[0].peak_kv_bytes <= caches[0].kv_bytes()["total"] + layer_bytes
+
+
+def test_each_chunk_is_routed_layer_by_layer_with_the_same_result():
+    model = tiny_model("qwen2", num_layers=3)
+    ids = torch.randint(16, 200, (1, 240), generator=torch.Generator().manual_seed(3))
+    chunked = _cache(model, "qevict", None, 0.1, True, prefill_chunk=60)
+    at_end = _cache(model, "qevict", None, 0.1, False, prefill_chunk=60)
+    logits = model(input_ids=ids, cache=chunked).logits
+    assert torch.equal(model(input_ids=ids, cache=at_end).logits, logits)
+    _assert_same_tiers(chunked, at_end)
+    layer_chunk = at_end.full_kv_bytes() // at_end.num_layers * 60 // 240
+    # the budget so far plus one layer's chunk (and the INT2 windows the budget pays for)
+    assert chunked.peak_kv_bytes <= chunked.budget_bytes() + layer_chunk
+    assert chunked.peak_kv_bytes < at_end.peak_kv_bytes
+
+
+def test_a_global_ranking_routes_at_the_end_of_the_forward():
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(6))
+    gates = vlm_kv.testing.tiny_gates(model)
+    caches = [vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates,
+                                options=CacheOptions(layerwise_prefill=flag)) for flag in (True, False)]
+    logits = [model(input_ids=ids, cache=cache).logits for cache in caches]
+    assert torch.equal(logits[0], logits[1])
+    _assert_same_tiers(*caches)
+    # one ranking over every layer: the whole prompt is held until the forward ends
+    assert caches[0].peak_kv_bytes == caches[1].peak_kv_bytes == caches[0].full_kv_bytes()
+
+
+def test_a_failure_after_some_layers_were_routed_empties_the_cache():
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(5))
+    cache = _cache(model, "qevict", None, 0.2, True, prefill_chunk=40)
+    calls = []
+
+    def fail_in_the_third_chunk(*args):
+        calls.append(1)
+        if len(calls) == 3 * 3:  # layer 2 of the third chunk: layers 0 and 1 were routed already
+            raise RuntimeError("boom")
+
+    handles = [layer.self_attn.register_forward_pre_hook(fail_in_the_third_chunk) for layer in model.model.layers]
+    with pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=ids, cache=cache)
+    for handle in handles:
+        handle.remove()
+    assert cache.get_seq_length() == 0 and cache.num_entries() == 0
+    ref = _cache(model, "qevict", None, 0.2, True, prefill_chunk=40)
+    assert torch.equal(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)
+    _assert_same_tiers(cache, ref)
+
+
+def test_a_new_turn_on_a_non_empty_cache_routes_at_its_end():
+    model = tiny_model("llama", num_layers=2)
+    ids = torch.randint(16, 200, (1, 150), generator=torch.Generator().manual_seed(7))
+    caches = [_cache(model, "qevict", None, 0.2, flag) for flag in (True, False)]
+    for cache in caches:
+        model(input_ids=ids[:, :100], cache=cache)
+        before = cache.peak_kv_bytes
+        model(input_ids=ids[:, 100:], cache=cache)
+        # the turn's tokens sit in every layer until its end: the peak may grow by the whole turn
+        assert cache.peak_kv_bytes <= max(before, cache.budget_bytes() * 100 // 150 + cache.full_kv_bytes() * 50 // 150
+                                          + cache.full_kv_bytes() // 10)
+    _assert_same_tiers(*caches)
+
+
+def test_layerwise_prefill_must_be_a_bool():
+    with pytest.raises(TypeError, match="layerwise_prefill"):
+        CacheOptions(layerwise_prefill="yes")
