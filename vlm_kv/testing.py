@@ -19,6 +19,7 @@ Special ids used by the models (``TINY_SPECIAL_IDS``):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -718,6 +719,27 @@ def record_evictions(cache) -> list[tuple[int, int]]:
 
     cache.evict = recording_evict
     return steps
+
+
+@contextlib.contextmanager
+def attention_fails_at_call(model, call: int, message: str = "boom"):
+    """Within the block, the ``call``-th attention forward of ``model``'s decoder layers (counted
+    from 1 over every layer and forward) raises ``RuntimeError(message)``: how the tests check that
+    a call failing half-way leaves the cache as it was."""
+    calls = []
+
+    def count(*args) -> None:
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError(message)
+
+    layers = model.model.language_model.layers if hasattr(model.model, "language_model") else model.model.layers
+    handles = [layer.self_attn.register_forward_pre_hook(count) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def random_tokens(n: int, batch: int = 1, seed: int = 0, vocab: int = 256) -> torch.Tensor:

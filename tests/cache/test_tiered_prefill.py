@@ -7,7 +7,7 @@ import torch
 
 import vlm_kv
 from vlm_kv.config import CacheOptions
-from vlm_kv.testing import tiny_inputs, tiny_model
+from vlm_kv.testing import attention_fails_at_call, tiny_inputs, tiny_model
 
 # per-layer groups: snapkv (uniform), adakv (a layer's heads), pyramidkv, qevict (windows), kivi2
 LAYERWISE = [("snapkv", "int2"), ("adakv", "int2"), ("pyramidkv", "int2"), ("qevict", None),
@@ -98,18 +98,9 @@ def test_a_failure_after_some_layers_were_routed_empties_the_cache():
     model = tiny_model("llama", num_layers=3)
     ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(5))
     cache = _cache(model, "qevict", None, 0.2, True, prefill_chunk=40)
-    calls = []
-
-    def fail_in_the_third_chunk(*args):
-        calls.append(1)
-        if len(calls) == 3 * 3:  # layer 2 of the third chunk: layers 0 and 1 were routed already
-            raise RuntimeError("boom")
-
-    handles = [layer.self_attn.register_forward_pre_hook(fail_in_the_third_chunk) for layer in model.model.layers]
-    with pytest.raises(RuntimeError, match="boom"):
+    # layer 2 of the third chunk: layers 0 and 1 were routed already
+    with attention_fails_at_call(model, 3 * 3), pytest.raises(RuntimeError, match="boom"):
         model(input_ids=ids, cache=cache)
-    for handle in handles:
-        handle.remove()
     assert cache.get_seq_length() == 0 and cache.num_entries() == 0
     ref = _cache(model, "qevict", None, 0.2, True, prefill_chunk=40)
     assert torch.equal(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)

@@ -8,7 +8,7 @@ from vlm_kv.storage.allocation import GlobalTopK
 from vlm_kv.cache.cache import CompressedCache
 from vlm_kv.config import CacheOptions
 from vlm_kv.eviction.evictor import LayerwiseStep
-from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
+from vlm_kv.testing import attention_fails_at_call, tiny_gates, tiny_inputs, tiny_model
 
 WINDOW_4 = CacheOptions(scorer_kwargs={"window": 4})  # snapkv / adakv observe 4 queries
 
@@ -116,18 +116,9 @@ def test_a_failure_in_a_later_chunk_empties_the_cache_the_call_started_with():
     model = tiny_model("llama", num_layers=3)
     ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(5))
     cache = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=CacheOptions(prefill_chunk=40, scorer_kwargs={"window": 4}))
-    calls = []
-
-    def fail_on_third_chunk(*args):
-        calls.append(1)
-        if len(calls) == 3 * 3:  # layer 2 of the third chunk (three attention calls per chunk)
-            raise RuntimeError("boom")
-
-    handles = [layer.self_attn.register_forward_pre_hook(fail_on_third_chunk) for layer in model.model.layers]
-    with pytest.raises(RuntimeError, match="boom"):
+    # layer 2 of the third chunk (three attention calls per chunk)
+    with attention_fails_at_call(model, 3 * 3), pytest.raises(RuntimeError, match="boom"):
         model(input_ids=ids, cache=cache)
-    for handle in handles:
-        handle.remove()
     assert cache.get_seq_length() == 0 and cache.num_entries() == 0
     ref = vlm_kv.make_cache(model, policy="snapkv", budget=0.2, options=CacheOptions(prefill_chunk=40, scorer_kwargs={"window": 4}))
     torch.testing.assert_close(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 import vlm_kv
 from vlm_kv.api import tiers_with_fields
+from vlm_kv.cache.tiered_layer import TieredLayer
 from vlm_kv.config import CacheOptions, TierConfig
 from vlm_kv.testing import (
     feed_tokens,
@@ -147,8 +148,8 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(p
     gates = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
     cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, tiers={"fp_unit": fp_unit}, **gates)
     calls = []
-    rotated = vlm_kv.attention.reference.rotated_tier_attention
-    monkeypatch.setattr(vlm_kv.attention.reference, "rotated_tier_attention", lambda *a: calls.append(1) or rotated(*a))
+    in_place = vlm_kv.attention.decode.decode_attention_with_rotated
+    monkeypatch.setattr(vlm_kv.attention.decode, "decode_attention_with_rotated", lambda *a: calls.append(1) or in_place(*a))
     tokens = random_tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # batch padding on the left
@@ -404,22 +405,23 @@ def test_chunked_prefill_routes_after_every_chunk_within_budget():
 
 
 def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(monkeypatch):
-    """The torch decode path attends Hadamard windows with q @ H (no per-entry rotation): same logits."""
+    """The torch decode path attends Hadamard windows with q @ H (no per-entry rotation), reading both
+    tiers where they lie: the same logits as the merged, padded view with every entry rotated back."""
     model = tiny_model("llama")
     tokens = random_tokens(64 + 24, vocab=model.config.vocab_size)
     calls = []
-    rotated = vlm_kv.attention.reference.rotated_tier_attention
+    in_place = vlm_kv.attention.decode.decode_attention_with_rotated
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return rotated(*args, **kwargs)
+        return in_place(*args, **kwargs)
 
-    monkeypatch.setattr(vlm_kv.attention.reference, "rotated_tier_attention", counted)
+    monkeypatch.setattr(vlm_kv.attention.decode, "decode_attention_with_rotated", counted)
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
     fast = feed_tokens(model, cache, tokens, 64)
     assert calls and cache.layers[0].tier.rotated and cache.stats()["per_tier"]["int2_windows"] > 0
     # the reference: the same windows, every entry rotated back and attended in the merged view
-    monkeypatch.setattr(Int2Tier, "rotated", property(lambda self: False))
+    monkeypatch.setattr(TieredLayer, "_decodes_in_place", lambda self, query, scorer: False)
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
     n = len(calls)
     slow = feed_tokens(model, cache, tokens, 64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -143,3 +145,58 @@ def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: fl
         return out, None
     return out, store.split_padded(attention_received(query, view, positions, scaling))
 
+
+
+@dataclass(frozen=True)
+class RotatedEntries:
+    """One sequence's INT2 entries for decode, flat and left in the basis they were quantized in:
+    keys ``k @ key_basis`` and values ``v @ value_basis`` [m, D] float32, and ``head`` [m] the KV
+    head of each (-1 for a slot that is not attended: a hole or an empty slot)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    head: torch.Tensor
+
+
+def decode_attention_with_rotated(query: torch.Tensor, store: Any, int2: Sequence[RotatedEntries],
+                                  key_basis: torch.Tensor | None, value_basis: torch.Tensor | None,
+                                  scaling: float | None) -> torch.Tensor:
+    """One new query per sequence over a store's FP entries and INT2 entries (``int2[b]`` for
+    sequence ``b``) in one float32 softmax; [B, 1, Hq, D].
+
+    As ``reference.rotated_tier_attention`` (which it is checked against) but read where the
+    entries lie: the FP body flat per sequence with each query head masked to its KV head's run,
+    the tail dense per head, the INT2 entries flat; no padded per-row copy of either tier is built
+    (laying both out per row cost more than the attention itself at every decode step)."""
+    b, hq, _, d = query.shape
+    h = store.num_kv_heads
+    g = hq // h
+    t = store.tail_size
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.reshape(b, hq, d).float()
+    rotated = q if key_basis is None else q @ key_basis
+    tail_k, tail_v = store.tail_keys.float(), store.tail_values.float()
+    tail_logits = torch.matmul(q.view(b, h, g, d), tail_k.transpose(-1, -2)) * scale  # [B, H, g, T]
+    if not store.tail_all_valid:
+        tail_logits = tail_logits.masked_fill(~store.tail_valid[:, None, None, :], float("-inf"))
+    outs = []
+    for i in range(b):
+        start, count = store.batch_span(i)
+        parts = [tail_logits[i].reshape(hq, t)]
+        if count:
+            body_k = store.body_keys[start : start + count].float()
+            parts.insert(0, torch.addmm(store.head_bias(i, g), q[i], body_k.transpose(0, 1), alpha=scale))
+        entries = int2[i]
+        m = entries.head.numel()
+        if m:
+            bias = own_head_bias(entries.head.clamp(min=0), h, g).masked_fill_(entries.head[None, :] < 0, float("-inf"))
+            parts.append(torch.addmm(bias, rotated[i], entries.keys.transpose(0, 1), alpha=scale))
+        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+        out = torch.matmul(probs[:, count : count + t].reshape(h, g, t), tail_v[i]).reshape(hq, d)
+        if count:
+            out = out + probs[:, :count] @ store.body_values[start : start + count].float()
+        if m:
+            out_q = probs[:, count + t :] @ entries.values
+            out = out + (out_q if value_basis is None else out_q @ value_basis.T)
+        outs.append(out)
+    return torch.stack(outs).view(b, 1, hq, d).to(query.dtype)

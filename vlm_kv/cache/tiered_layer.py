@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_kv.attention import backend, reference
+from vlm_kv.attention import backend, decode, reference
 from vlm_kv.attention.backend import AttentionPaths
 from vlm_kv.cache.layer import CompressedLayer, LayerSpec
 from vlm_kv.policies.base import Scorer
@@ -54,12 +54,11 @@ class TieredLayer(CompressedLayer):
         if (query.shape[2] == 1 and paths.triton_decode(query) and store.tail_all_valid
                 and tier.kernel_readable and not scorer.observes):
             return backend.tiered_decode_attention_triton(query, store, tier, scaling)
-        if query.shape[2] == 1 and tier.rotated and tier.rope is None and not scorer.observes:
-            # rotate the query and the INT2 output, not every INT2 entry (as the kernel does)
-            fp = store.padded_view(with_values=True)
-            tv = tier.view(with_values=True, dtype=torch.float32, in_basis=True)
-            return reference.rotated_tier_attention(query, fp, tv.view, tier.key_basis, tier.value_basis,
-                                                    query_positions, scaling)
+        if self._decodes_in_place(query, scorer):
+            # read both tiers where they lie (no per-row padded copy), rotating the query and the
+            # INT2 output rather than every INT2 entry (as the kernel does)
+            return decode.decode_attention_with_rotated(query, store, tier.rotated_entries(), tier.key_basis,
+                                                        tier.value_basis, scaling)
         fp = store.padded_view(with_values=True)
         tv = tier.view(with_values=True, dtype=query.dtype)
         view, _ = merge_views(fp, tv.view, sort=False)
@@ -67,6 +66,11 @@ class TieredLayer(CompressedLayer):
         if scorer.observes:
             scorer.observe(_TieredEntries(store, tier, fp.length, tv.slot), query, view, query_positions, scaling)
         return out
+
+    def _decodes_in_place(self, query: torch.Tensor, scorer: Scorer) -> bool:
+        """A decode step read where the entries lie: post-RoPE codes (pre-RoPE ones are rotated per
+        position in the merged view) and a scorer that does not observe the attention."""
+        return query.shape[2] == 1 and self.tier.rope is None and not scorer.observes
 
     # ------------------------------------------------------------ what it holds, over both tiers
     def num_entries(self) -> int:

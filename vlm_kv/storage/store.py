@@ -148,7 +148,8 @@ class VarlenKVStore:
         key = (b, group)
         if key not in self._head_bias:
             start, count = self._batch_spans[b]
-            self._head_bias[key] = own_head_bias(self.entry_head[start : start + count], self.num_kv_heads, group)
+            heads = self.entry_head if self.entry_head is not None else self._rows % self.num_kv_heads
+            self._head_bias[key] = own_head_bias(heads[start : start + count], self.num_kv_heads, group)
         return self._head_bias[key]
 
     def paged_body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

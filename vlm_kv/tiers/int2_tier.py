@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from vlm_kv.attention.decode import RotatedEntries
 from vlm_kv.config import TierConfig
 from vlm_kv.kernels.int2 import (
     decode_key_grid,
@@ -244,6 +245,7 @@ class TierLayout:
     table: tuple[torch.Tensor, torch.Tensor]  # ([rows, max_windows] int32 ledger index, [rows] int32 counts)
     full: bool                             # every active window holds w attended entries
     slot_mask: torch.Tensor | None         # [n, w] attended slots of every ledger window, None when full
+    windows_per_sequence: tuple[int, ...] = ()  # active windows of each sequence (idx is in that order)
 
     @property
     def idx(self) -> torch.Tensor:
@@ -390,6 +392,7 @@ class Int2Tier:
             full=full,
             # attended slots of every ledger window, for the kernels when a window has a hole or an empty slot
             slot_mask=None if full else (self.positions >= 0).contiguous(),
+            windows_per_sequence=tuple(counts.view(B, H).sum(dim=1).tolist()),
         )
         return self._layout_cache
 
@@ -467,6 +470,23 @@ class Int2Tier:
             state={n: place.lay(self.state[n][idx], 0.0, torch.float32) for n in states},
         )
         return TierView(view, layout.slot)
+
+    def rotated_entries(self) -> list[RotatedEntries]:
+        """Per sequence, its active windows dequantized flat and left in their quantization basis
+        (post-RoPE codes only), for ``attention.decode.decode_attention_with_rotated``."""
+        if self.rope is not None:
+            raise ValueError("rotated entries need post-RoPE codes: pre-RoPE keys must be rotated back per position")
+        layout = self._layout()
+        idx, c, w, H = layout.idx, self.codes, self.window, self.num_kv_heads
+        keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx)).view(-1, self.head_dim)
+        values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]).view(-1, self.head_dim)
+        head = (self.row[idx] % H)[:, None].expand(-1, w).masked_fill(self.positions[idx] < 0, -1).reshape(-1)
+        out, start = [], 0
+        for count in layout.windows_per_sequence:  # idx is ordered by row, so by sequence
+            span = slice(start * w, (start + count) * w)
+            out.append(RotatedEntries(keys[span], values[span], head[span]))
+            start += count
+        return out
 
     def add_state(self, name: str, padded: torch.Tensor, slot: torch.Tensor) -> None:
         """Add a [B, H, Lq] quantity laid out like ``view`` (``slot`` from that view) to the entries' state."""
