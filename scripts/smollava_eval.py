@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-
 from vlm_kv.eval.visual_qa import answer
 from vlm_kv.eval.visual_tasks import answer_matches, chance, make_item
-from vlm_kv.models.smollava import build_smollava, load_trained_parts
+
+from vlm_kv.models.smollava import build_smollava, load_checkpoint_or_folder
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -38,17 +38,7 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def load(weights: str):
     model, processor = build_smollava()
-    path = Path(weights)
-    step = None
-    if path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["trainable"], strict=False)
-        step = state["done"]
-    else:
-        load_trained_parts(model, path)
-        card = path / "card.json"
-        if card.is_file():
-            step = json.loads(card.read_text()).get("done")
+    step = load_checkpoint_or_folder(model, weights)
     return model.eval(), processor.tokenizer, step
 
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from vlm_kv.models.smollava import build_smollava, load_trained_parts, pixel_values
 from vlm_kv.train import vlm_train as V
+
+from vlm_kv.models.smollava import (
+    build_smollava,
+    load_checkpoint_or_folder,
+    pixel_values,
+)
 
 
 def main() -> None:
@@ -28,14 +31,7 @@ def main() -> None:
     p.add_argument("--scenes", type=int, default=24)
     args = p.parse_args()
     model, processor = build_smollava()
-    path = Path(args.weights)
-    if path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["trainable"], strict=False)
-        step = state["done"]
-    else:
-        load_trained_parts(model, path)
-        step = None
+    step = load_checkpoint_or_folder(model, args.weights)
     targets = V.PatchTargets(processor.tokenizer, model.get_input_embeddings().weight)
     scenes = V._scenes(99999, args.scenes)
     with torch.no_grad():
@@ -49,7 +45,7 @@ def main() -> None:
         name = names[t_id]
         key = "blank" if name == " " else ("code character" if len(name) == 1 else name.strip())
         hits[key].append(p_id == t_id)
-    print(json.dumps({"weights": str(path), "step": step, "scenes": args.scenes,
+    print(json.dumps({"weights": args.weights, "step": step, "scenes": args.scenes,
                       "accuracy": {k: round(sum(v) / len(v), 4) for k, v in sorted(hits.items())},
                       "cells": {k: len(v) for k, v in sorted(hits.items())}}, indent=1))
 

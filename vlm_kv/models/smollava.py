@@ -151,6 +151,20 @@ def save_trained_parts(model, folder: str | os.PathLike, card: dict | None = Non
     return folder / WEIGHTS_FILE
 
 
+def load_checkpoint_or_folder(model, weights: str | os.PathLike) -> int | None:
+    """Load a tower into ``model`` from a ``vlm-kv train-vlm`` checkpoint file (checkpoint.pt) or a
+    folder of trained parts (an export, the shipped folder); returns its training step when known
+    (the checkpoint's, or the folder card's)."""
+    path = Path(weights)
+    if path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["trainable"], strict=False)
+        return state["done"]
+    load_trained_parts(model, path)
+    card = path / "card.json"
+    return json.loads(card.read_text()).get("done") if card.is_file() else None
+
+
 def load_trained_parts(model, folder: str | os.PathLike) -> None:
     """Load saved trained parts into ``model``; every trained parameter must be present."""
 
