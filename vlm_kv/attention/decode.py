@@ -146,7 +146,6 @@ def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: fl
     return out, store.split_padded(attention_received(query, view, positions, scaling))
 
 
-
 @dataclass(frozen=True)
 class RotatedEntries:
     """One sequence's INT2 entries for decode, flat and left in the basis they were quantized in:

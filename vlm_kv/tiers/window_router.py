@@ -175,6 +175,11 @@ class _Event:
     allocation: Allocation
     num_layers: int
 
+    def __post_init__(self) -> None:
+        # each sequence's capacity over its real tokens (the entry router's INT2 share follows it),
+        # the same for every layer of the event
+        self.budget_fraction = self.caps.double() / self.ledger.valid_tokens.to(self.caps.device).clamp(min=1).double()
+
     def routing(self, layer: RoutedLayer, window: int) -> LayerRouting:
         """One layer's entries (FP and INT2 alike), scored together, with its capacity."""
         evictor, ledger, caps = self.evictor, self.ledger, self.caps
@@ -187,15 +192,13 @@ class _Event:
         tv = layer.tier.view(states=states, with_values=False, dtype=fp.keys.dtype)
         merged, perm = merge_views(fp, tv.view, sort=True)
         scores = unsort(evictor.layer_scores(self.scorer, layer, merged, cap_layer, ledger, self.num_layers), perm)
-        # each sequence's capacity over its real tokens (the entry router's INT2 share follows it)
-        fraction = caps.double() / ledger.valid_tokens.to(caps.device).clamp(min=1).double()
         return LayerRouting(
             fp=fp, tier_slot=tv.slot, scores=scores,
             positions=torch.cat([fp.positions, tv.view.positions], dim=2),
             valid=torch.cat([fp.valid, tv.view.valid], dim=2),
             num_windows=-(-layer.seen // window), cap=cap_layer,
             origin=ledger.first_positions.to(caps.device).clamp(max=layer.seen), window=window,
-            budget_fraction=fraction,
+            budget_fraction=self.budget_fraction,
         )
 
 
