@@ -266,6 +266,7 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
     opt = _optimizer(cfg, model, params)
 
     done, stage_of = 0, "patch"
+    rewarm_from = -1  # the step a fresh optimizer took over mid-schedule (warmed up again from there)
     ckpt_path = out / CHECKPOINT
     if ckpt_path.is_file():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
@@ -275,6 +276,7 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         opt = _optimizer(cfg, model, params)
         opt.load_state_dict(state["optimizer"])
         done = state["done"]
+        rewarm_from = int(state.get("rewarm_from", -1))
         _truncate_metrics(out / METRICS, done)
     elif cfg.stage1_weights:
         # the QA stage's data is a function of the step, so trained parts and the step they were
@@ -282,6 +284,8 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         # travel, which costs a few steps of warm-up, see docs/smollava.md)
         load_trained_parts(model, cfg.stage1_weights)
         done = max(cfg.patch_steps, int(_card(cfg.stage1_weights).get("done", 0)))
+        if done > cfg.patch_steps:
+            rewarm_from = done
         _truncate_metrics(out / METRICS, done)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
     end = cfg.total_steps if not cfg.stop_at else min(cfg.total_steps, cfg.stop_at)
@@ -296,8 +300,13 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
             step = done if stage_of == "patch" else done - cfg.patch_steps
             if stage_of == "qa" and step == 0:  # stage 2 starts with a fresh optimizer
                 opt = _optimizer(cfg, model, params)
+            rate = _lr(cfg, stage_of, step)
+            if rewarm_from >= 0 and cfg.warmup:
+                # a fresh Adam's first updates are lr * sign(grad); ramp again rather than jump
+                # to the mid-schedule rate with a trained tower
+                rate *= min(1.0, (done - rewarm_from + 1) / cfg.warmup)
             for group in opt.param_groups:
-                group["lr"] = _lr(cfg, stage_of, step) * group["mult"]
+                group["lr"] = rate * group["mult"]
             t0 = time.time()
             gen = torch.Generator().manual_seed(done)
             if stage_of == "patch":
@@ -342,6 +351,7 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
                 _save(ckpt_path, {"trainable": {k: v for k, v in model.state_dict().items()
                                                 if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))},
                                   "optimizer": opt.state_dict(), "done": done, "stage": stage_of,
+                                  "rewarm_from": rewarm_from,
                                   "config": dataclasses.asdict(cfg)})
     if bar is not None:
         bar.close()

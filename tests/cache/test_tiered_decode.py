@@ -1,6 +1,8 @@
 """A tiered layer's decode attention reads both tiers where they lie
 (``attention.decode.decode_attention_with_rotated``) and matches the padded reference
 (``attention.reference.rotated_tier_attention``)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -52,7 +54,9 @@ def test_a_sequence_without_int2_windows_attends_its_fp_entries_only():
     layer = cache.layers[0]
     entries = layer.tier.rotated_entries()
     assert len(entries) == 2
-    empty = decode.RotatedEntries(entries[0].keys[:0], entries[0].values[:0], entries[0].head[:0])
+    e = entries[0]
+    empty = decode.RotatedEntries(e.keys[:0], e.value_codes[:0], e.value_scale[:0], e.value_zero[:0],
+                                  (0,) * layer.store.num_kv_heads)
     query = torch.randn(2, model.config.num_attention_heads, 1, layer.store.head_dim)
     got = decode.decode_attention_with_rotated(query, layer.store, [empty, empty], layer.tier.key_basis,
                                                layer.tier.value_basis, layer.scaling)
@@ -67,16 +71,49 @@ def test_unattended_slots_get_no_weight():
     query = torch.randn(1, model.config.num_attention_heads, 1, layer.store.head_dim)
     base = decode.decode_attention_with_rotated(query, layer.store, [entries], layer.tier.key_basis,
                                                 layer.tier.value_basis, layer.scaling)
-    # a slot marked unattended (-1) may hold anything: the output must not move
-    head = entries.head.clone()
-    head[0] = -1
-    poisoned = decode.RotatedEntries(entries.keys.clone(), entries.values.clone(), head)
+    # a slot marked as a hole may hold anything: the output must not move
+    holes = torch.zeros(len(entries), dtype=torch.bool)
+    holes[0] = True
+    poisoned = dataclasses.replace(entries, keys=entries.keys.clone(), value_codes=entries.value_codes.clone(), holes=holes)
     poisoned.keys[0] = 1e4
-    poisoned.values[0] = 1e4
+    poisoned.value_codes[0] = 1e4
     masked = decode.decode_attention_with_rotated(query, layer.store, [poisoned], layer.tier.key_basis,
                                                   layer.tier.value_basis, layer.scaling)
-    clean = decode.RotatedEntries(entries.keys, entries.values, head)
+    clean = dataclasses.replace(entries, holes=holes)
     expected = decode.decode_attention_with_rotated(query, layer.store, [clean], layer.tier.key_basis,
                                                     layer.tier.value_basis, layer.scaling)
     torch.testing.assert_close(masked, expected)
     assert not torch.allclose(masked, base)  # dropping a slot does change the output
+
+
+def test_entries_are_grouped_by_kv_head_in_the_order_the_counts_give():
+    """Each query head attends only its own KV head's run of INT2 entries: moving one entry's
+    keys to another head's run (by the counts) changes only that head's query heads."""
+    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+    layer = cache.layers[0]
+    (entries,) = layer.tier.rotated_entries()
+    h, g = layer.store.num_kv_heads, model.config.num_attention_heads // layer.store.num_kv_heads
+    assert len(entries.head_counts) == h and sum(entries.head_counts) == len(entries)
+    assert min(entries.head_counts) > 0
+    query = torch.randn(1, h * g, 1, layer.store.head_dim)
+    base = decode.decode_attention_with_rotated(query, layer.store, [entries], layer.tier.key_basis,
+                                                layer.tier.value_basis, layer.scaling)
+    first = entries.head_counts[0]
+    poisoned = dataclasses.replace(entries, keys=entries.keys.clone())
+    poisoned.keys[first] = 50.0  # the first entry of KV head 1
+    got = decode.decode_attention_with_rotated(query, layer.store, [poisoned], layer.tier.key_basis,
+                                               layer.tier.value_basis, layer.scaling)
+    moved = (got - base).abs().amax(dim=-1).view(h, g)
+    assert moved[1].min() > 1e-4
+    assert moved[torch.arange(h) != 1].max() == 0
+
+
+def test_mismatched_head_counts_are_refused():
+    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+    layer = cache.layers[0]
+    (entries,) = layer.tier.rotated_entries()
+    bad = dataclasses.replace(entries, head_counts=entries.head_counts[:-1])
+    query = torch.randn(1, model.config.num_attention_heads, 1, layer.store.head_dim)
+    with pytest.raises(ValueError, match="head counts"):
+        decode.decode_attention_with_rotated(query, layer.store, [bad], layer.tier.key_basis,
+                                             layer.tier.value_basis, layer.scaling)

@@ -427,3 +427,83 @@ def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(mon
     slow = feed_tokens(model, cache, tokens, 64)
     assert len(calls) == n
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy, fp_unit", [("h2o", "window"), ("dbtrimkv", "token")])
+def test_the_ledger_keeps_its_active_windows_first_in_layout_order(policy, fp_unit):
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, **_kwargs(policy, model, fp_unit))
+    feed_tokens(model, cache, random_tokens(64 + 40, batch=2, vocab=model.config.vocab_size), 64)
+    for layer in cache.layers:
+        tier = layer.tier
+        n = tier.num_active
+        assert n > 1
+        assert bool(tier.active[:n].all()) and not bool(tier.active[n:].any())
+        key = tier.row[:n] * (int(tier.window_id.max()) + 1) + tier.window_id[:n]
+        assert bool((key[1:] > key[:-1]).all())  # by row (sequence, then KV head), then window id
+        assert tier._layout().prefix
+
+
+def test_rotated_entries_of_an_out_of_order_ledger_are_the_same():
+    """The slices a decode step reads rely on the ledger's order; a ledger out of that order (never
+    left so by routing) is read through its layout's gathers and gives the same entries."""
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, **_kwargs("dbtrimkv", model, "token"))
+    feed_tokens(model, cache, random_tokens(64 + 20, batch=2, vocab=model.config.vocab_size), 64)
+    tier = cache.layers[0].tier
+    want = tier.rotated_entries()
+    tier._take(torch.arange(len(tier) - 1, -1, -1))  # reversed
+    assert not tier._layout().prefix
+    got = tier.rotated_entries()
+    for a, b in zip(want, got):
+        assert a.head_counts == b.head_counts
+        for name in ("keys", "value_codes", "value_scale", "value_zero"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+        assert (a.holes is None) == (b.holes is None)
+        if a.holes is not None:
+            assert torch.equal(a.holes, b.holes)
+
+
+@pytest.mark.parametrize("policy, scorer_class, fp_unit", [("dbtrimkv", "RetentionScorer", "token"),
+                                                            ("qevict", "H2O", None)])
+def test_routing_by_state_scores_without_dequantizing_int2_keys_and_decides_the_same(policy, scorer_class, fp_unit,
+                                                                                     monkeypatch):
+    import vlm_kv.policies.h2o as h2o
+    import vlm_kv.policies.retention as retention
+
+    cls = {"RetentionScorer": retention.RetentionScorer, "H2O": h2o.H2O}[scorer_class]
+    model = tiny_model("llama")
+    tokens = random_tokens(64 + 40, batch=2, vocab=model.config.vocab_size)
+    original_view = Int2Tier.view
+
+    def run(reads_keys):
+        monkeypatch.setattr(cls, "score_reads_keys", reads_keys)
+        calls = []
+
+        def spy(self, *args, **kwargs):
+            calls.append(kwargs.get("with_keys", True))
+            return original_view(self, *args, **kwargs)
+
+        monkeypatch.setattr(Int2Tier, "view", spy)
+        cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, **_kwargs(policy, model, fp_unit))
+        out = feed_tokens(model, cache, tokens, 64)
+        held = [layer.held_positions() for layer in cache.layers]
+        return out, held, calls
+
+    out_a, held_a, calls_a = run(False)
+    out_b, held_b, calls_b = run(True)
+    assert False in calls_a and False not in calls_b  # the routing events scored without keys
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    for (pa, ta), (pb, tb) in zip(held_a, held_b):
+        assert torch.equal(pa, pb) and torch.equal(ta, tb)
+
+
+def test_a_tier_view_without_keys_carries_no_values():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="h2o", budget=0.3, tiers="int2")
+    feed_tokens(model, cache, random_tokens(64, vocab=model.config.vocab_size), 64)
+    tier = cache.layers[0].tier
+    with pytest.raises(ValueError, match="with_values=False"):
+        tier.view(with_keys=False, with_values=True)
+    view = tier.view(with_keys=False, with_values=False).view
+    assert view.keys.shape[-1] == 0 and view.keys.shape[:3] == view.positions.shape

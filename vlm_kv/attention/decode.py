@@ -148,13 +148,48 @@ def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: fl
 
 @dataclass(frozen=True)
 class RotatedEntries:
-    """One sequence's INT2 entries for decode, flat and left in the basis they were quantized in:
-    keys ``k @ key_basis`` and values ``v @ value_basis`` [m, D] float32, and ``head`` [m] the KV
-    head of each (-1 for a slot that is not attended: a hole or an empty slot)."""
+    """One sequence's INT2 entries for decode, flat, grouped by KV head and left in the basis they
+    were quantized in.
+
+    ``keys`` [m, D] float32: ``k @ key_basis`` dequantized. Values stay as codes: ``value_codes``
+    [m, D] float32 (0..3) with ``value_scale`` / ``value_zero`` [m] float32, the value of entry j
+    being ``value_codes[j] * value_scale[j] + value_zero[j]`` (of ``v @ value_basis``): a per-entry
+    grid folds into the attention weights ([Hq, m]) for less work than expanding every value
+    ([m, D]). ``head_counts``: entries of each KV head, in order (they sum to m). ``holes`` [m]
+    bool marks slots that are not attended (a hole, an empty slot), or None when there are none."""
 
     keys: torch.Tensor
-    values: torch.Tensor
-    head: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    head_counts: tuple[int, ...]
+    holes: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
+
+    def values(self) -> torch.Tensor:
+        """[m, D] float32 values in the quantization basis (the expansion decode avoids)."""
+        return torch.addcmul(self.value_zero[:, None], self.value_codes, self.value_scale[:, None])
+
+
+def _int2_logits(rotated_query: torch.Tensor, entries: RotatedEntries, group: int, scale: float) -> torch.Tensor:
+    """[Hq, m] scaled logits of one sequence's INT2 entries, -inf where an entry belongs to another
+    KV head than the query head's or is not attended. The product runs over every head at once
+    (one matrix product; the keys are read once either way) and the other heads are masked after."""
+    m = len(entries)
+    logits = torch.mm(rotated_query, entries.keys.transpose(0, 1)).mul_(scale)
+    per_head = logits.view(len(entries.head_counts), group, m)
+    start = 0
+    for h, count in enumerate(entries.head_counts):
+        if start:
+            per_head[h, :, :start] = float("-inf")
+        if start + count < m:
+            per_head[h, :, start + count :] = float("-inf")
+        start += count
+    if entries.holes is not None:
+        logits.masked_fill_(entries.holes[None, :], float("-inf"))
+    return logits
 
 
 def decode_attention_with_rotated(query: torch.Tensor, store: Any, int2: Sequence[RotatedEntries],
@@ -186,16 +221,20 @@ def decode_attention_with_rotated(query: torch.Tensor, store: Any, int2: Sequenc
             body_k = store.body_keys[start : start + count].float()
             parts.insert(0, torch.addmm(store.head_bias(i, g), q[i], body_k.transpose(0, 1), alpha=scale))
         entries = int2[i]
-        m = entries.head.numel()
+        m = len(entries)
         if m:
-            bias = own_head_bias(entries.head.clamp(min=0), h, g).masked_fill_(entries.head[None, :] < 0, float("-inf"))
-            parts.append(torch.addmm(bias, rotated[i], entries.keys.transpose(0, 1), alpha=scale))
+            if len(entries.head_counts) != h or sum(entries.head_counts) != m:
+                raise ValueError(f"INT2 entries of sequence {i}: head counts {entries.head_counts} do not "
+                                 f"split {m} entries over {h} KV heads")
+            parts.append(_int2_logits(rotated[i], entries, g, scale))
         probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
         out = torch.matmul(probs[:, count : count + t].reshape(h, g, t), tail_v[i]).reshape(hq, d)
         if count:
             out = out + probs[:, :count] @ store.body_values[start : start + count].float()
         if m:
-            out_q = probs[:, count + t :] @ entries.values
+            p_int2 = probs[:, count + t :]
+            out_q = torch.addmm(torch.mv(p_int2, entries.value_zero)[:, None], p_int2 * entries.value_scale,
+                                entries.value_codes)
             out = out + (out_q if value_basis is None else out_q @ value_basis.T)
         outs.append(out)
     return torch.stack(outs).view(b, 1, hq, d).to(query.dtype)

@@ -44,6 +44,10 @@ class Scorer:
 
     name: ClassVar[str] = "base"
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: ``score`` reads the view's keys (or attention over them). True unless a scorer says
+    #: otherwise, so that a scorer nobody checked never scores an empty key tensor; False lets a
+    #: tiered cache's routing events skip dequantizing every INT2 key just to score it
+    score_reads_keys: ClassVar[bool] = True
     #: how a tiered cache turns entry scores into one score per window: "sum" for additive
     #: masses (attention), "logsumexp" for log-domain scores, "max" / "mean" otherwise
     window_reduce: ClassVar[str] = "sum"

@@ -21,6 +21,7 @@ class H2O(Scorer):
     name: ClassVar[str] = "h2o"
     state_names: ClassVar[tuple[str, ...]] = ("attn_sum",)
     recent_ratio: float = 0.5
+    score_reads_keys: ClassVar[bool] = False  # the attention summed in state ("attn_sum")
 
     def protected_window(self, capacity: int) -> int:
         return int(self.recent_ratio * capacity)

@@ -24,6 +24,7 @@ from vlm_kv.policies.base import ScoreContext, Scorer
 class KIVI2Scorer(Scorer):
     name: ClassVar[str] = "kivi2"
     window_reduce: ClassVar[str] = "max"
+    score_reads_keys: ClassVar[bool] = False  # positions only
     num_sinks: int = 4
     residual: int = 128
 

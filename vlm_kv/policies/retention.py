@@ -24,6 +24,7 @@ class RetentionScorer(Scorer):
     name: ClassVar[str] = "retention"
     state_names: ClassVar[tuple[str, ...]] = ("log_beta",)
     window_reduce: ClassVar[str] = "logsumexp"  # scores are log retentions: a window retains their sum
+    score_reads_keys: ClassVar[bool] = False  # gate outputs and positions only
     num_sinks: int = 4
 
     @property

@@ -38,6 +38,7 @@ from vlm_kv.kernels.int2 import (
     quantize_keys,
     quantize_keys_compact,
     quantize_values,
+    unpack_int2_float,
 )
 from vlm_kv.storage.store import PaddedView, tensor_bytes
 from vlm_kv.tiers.rope_keys import KeyRotation
@@ -246,6 +247,8 @@ class TierLayout:
     full: bool                             # every active window holds w attended entries
     slot_mask: torch.Tensor | None         # [n, w] attended slots of every ledger window, None when full
     windows_per_sequence: tuple[int, ...] = ()  # active windows of each sequence (idx is in that order)
+    windows_per_head: tuple[tuple[int, ...], ...] = ()  # per sequence, active windows of each KV head
+    prefix: bool = False                   # idx is 0..n-1: the active windows lead the ledger, in this order
 
     @property
     def idx(self) -> torch.Tensor:
@@ -393,6 +396,8 @@ class Int2Tier:
             # attended slots of every ledger window, for the kernels when a window has a hole or an empty slot
             slot_mask=None if full else (self.positions >= 0).contiguous(),
             windows_per_sequence=tuple(counts.view(B, H).sum(dim=1).tolist()),
+            windows_per_head=tuple(tuple(r) for r in counts.view(B, H).tolist()),
+            prefix=idx.numel() == 0 or (int(idx[0]) == 0 and int(idx[-1]) == idx.numel() - 1),
         )
         return self._layout_cache
 
@@ -445,21 +450,27 @@ class Int2Tier:
         return pools if mask is None else pools + (mask,)
 
     def view(self, states: tuple[str, ...] = (), with_values: bool = True, dtype: torch.dtype | None = None,
-             in_basis: bool = False) -> TierView:
+             in_basis: bool = False, with_keys: bool = True) -> TierView:
         """Active windows dequantized, per row in window order, left aligned ([B, H, Lq]).
         ``in_basis``: keys and values left in the basis they were quantized in (post-RoPE keys only),
-        for attention that rotates the query instead (``vlm_kv.attention.reference.rotated_tier_attention``)."""
+        for attention that rotates the query instead (``vlm_kv.attention.reference.rotated_tier_attention``).
+        ``with_keys=False`` (needs ``with_values=False``): keys [B, H, Lq, 0], nothing dequantized,
+        for scoring by state and positions."""
+        if not with_keys and with_values:
+            raise ValueError("a tier view without keys carries no values either (with_values=False)")
         if in_basis and self.rope is not None:
             raise ValueError("in_basis=True needs post-RoPE codes: pre-RoPE keys must be rotated back per position")
         dtype = dtype or self.dtype
         layout = self._layout()
         place, idx = layout.placement, layout.idx
         c = self.codes
-        if in_basis:
-            keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx))
+        if not with_keys:
+            B, H = self.batch_size, self.num_kv_heads
+            keys = torch.empty(B, H, place.length, 0, dtype=dtype, device=self.device)
+        elif in_basis:
+            keys = place.lay(dequantize_keys(c.key_codes[idx], *c.key_grid(idx)), 0, dtype)
         else:
-            keys = self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx])
-        keys = place.lay(keys, 0, dtype)
+            keys = place.lay(self._decode_keys(c.key_codes[idx], *c.key_grid(idx), self.positions[idx]), 0, dtype)
         if with_values:
             values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx])
             values = place.lay(values if in_basis else _out_of(values, self.value_basis), 0, dtype)
@@ -472,19 +483,25 @@ class Int2Tier:
         return TierView(view, layout.slot)
 
     def rotated_entries(self) -> list[RotatedEntries]:
-        """Per sequence, its active windows dequantized flat and left in their quantization basis
-        (post-RoPE codes only), for ``attention.decode.decode_attention_with_rotated``."""
+        """Per sequence, its active windows flat, grouped by KV head and left in their quantization
+        basis (post-RoPE codes only): keys dequantized, values as codes and grid, for
+        ``attention.decode.decode_attention_with_rotated``. The ledger keeps its active windows
+        first and in layout order (``rebuild``), so this reads slices, not gathers."""
         if self.rope is not None:
             raise ValueError("rotated entries need post-RoPE codes: pre-RoPE keys must be rotated back per position")
         layout = self._layout()
-        idx, c, w, H = layout.idx, self.codes, self.window, self.num_kv_heads
-        keys = dequantize_keys(c.key_codes[idx], *c.key_grid(idx)).view(-1, self.head_dim)
-        values = dequantize_values(c.value_codes[idx], c.value_scale[idx], c.value_zero[idx]).view(-1, self.head_dim)
-        head = (self.row[idx] % H)[:, None].expand(-1, w).masked_fill(self.positions[idx] < 0, -1).reshape(-1)
+        c, w, d = self.codes, self.window, self.head_dim
+        take = slice(0, self.num_active) if layout.prefix else layout.idx
+        keys = dequantize_keys(c.key_codes[take], *c.key_grid(take)).view(-1, d)
+        value_codes = unpack_int2_float(c.value_codes[take]).view(-1, d)
+        value_scale = c.value_scale[take].reshape(-1).float()
+        value_zero = c.value_zero[take].reshape(-1).float()
+        holes = None if layout.full else (self.positions[take] < 0).reshape(-1)
         out, start = [], 0
-        for count in layout.windows_per_sequence:  # idx is ordered by row, so by sequence
-            span = slice(start * w, (start + count) * w)
-            out.append(RotatedEntries(keys[span], values[span], head[span]))
+        for count, per_head in zip(layout.windows_per_sequence, layout.windows_per_head):
+            span = slice(start * w, (start + count) * w)  # idx is ordered by row, so by sequence, then head
+            out.append(RotatedEntries(keys[span], value_codes[span], value_scale[span], value_zero[span],
+                                      tuple(n * w for n in per_head), None if holes is None else holes[span]))
             start += count
         return out
 
@@ -525,6 +542,34 @@ class Int2Tier:
         self.positions, self.modality, self.state, self.active = positions, modality, state, act
         self._num_active = int(act.sum())
         self._layout_cache = None
+        self._put_in_layout_order()
+
+    def _put_in_layout_order(self) -> None:
+        """Reorder the ledger: active windows first, by row (sequence, then KV head) and window id;
+        dormant ones after, in their order. Why: every decode step reads the active windows, and
+        in this order it reads them as slices; the reorder costs one copy per routing event."""
+        n = len(self)
+        if n == 0:
+            return
+        span = int(self.window_id.max()) + 1
+        ahead = self.row * span + self.window_id
+        rank = torch.where(self.active, ahead, self.batch_size * self.num_kv_heads * span
+                           + torch.arange(n, device=self.device))
+        order = torch.argsort(rank)
+        if bool((order == torch.arange(n, device=self.device)).all()):
+            return
+        self._take(order)
+
+    def _take(self, idx: torch.Tensor) -> None:
+        """Keep ledger entries ``idx`` (in that order) in every ledger-aligned tensor."""
+        self.codes = self.codes.select(idx)
+        self.row, self.window_id = self.row[idx], self.window_id[idx]
+        self.positions, self.modality = self.positions[idx], self.modality[idx]
+        self.state = {k: t[idx] for k, t in self.state.items()}
+        self.active = self.active[idx]
+        if self.spill is not None:
+            self.spill = self.spill.select(idx, self.pin_spill)
+        self._layout_cache = None
 
     def _rebuild_spill(self, idx: torch.Tensor, new: "NewWindows | None") -> None:
         added = new is not None and len(new.codes) > 0
@@ -544,17 +589,12 @@ class Int2Tier:
         n = len(self)
         idx = torch.arange(n, device=self.device).repeat(repeats)
         copy = torch.arange(repeats, device=self.device).repeat_interleave(n)
-        self.codes = self.codes.select(idx)
-        self.row = (b[idx] * repeats + copy) * H + h[idx]
-        self.window_id = self.window_id[idx]
-        self.positions, self.modality = self.positions[idx], self.modality[idx]
-        self.state = {k: t[idx] for k, t in self.state.items()}
-        self.active = self.active[idx]
-        if self.spill is not None:
-            self.spill = self.spill.select(idx, self.pin_spill)
+        row = (b[idx] * repeats + copy) * H + h[idx]
+        self._take(idx)
+        self.row = row
         self._num_active *= repeats
-        self._layout_cache = None
         self.batch_size *= repeats
+        self._put_in_layout_order()
 
 
 def _into(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:

@@ -65,13 +65,14 @@ __all__ = ["EVICT", "FP", "INT2", "LayerwiseRouting", "TierRouter", "WindowRoute
 
 def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedView, torch.Tensor | None]:
     """FP and INT2 entries of a layer side by side per row ([B, H, Lf + Lq]); with ``sort`` in
-    position order (scorers that smooth along positions need it), returning the permutation."""
+    position order (scorers that smooth along positions need it), returning the permutation.
+    A ``tier`` view without keys (width 0) gives a merged view without keys."""
 
     def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.cat([a, b.to(a.dtype)], dim=2)
 
     view = PaddedView(
-        keys=cat(fp.keys, tier.keys),
+        keys=cat(fp.keys, tier.keys) if tier.keys.shape[-1] else fp.keys[..., :0],
         values=cat(fp.values, tier.values) if fp.values.shape[-1] and tier.values.shape[-1] else fp.keys[..., :0],
         positions=cat(fp.positions, tier.positions),
         modality=cat(fp.modality, tier.modality),
@@ -89,7 +90,7 @@ def merge_views(fp: PaddedView, tier: PaddedView, sort: bool) -> tuple[PaddedVie
         return t.gather(2, perm)
 
     sorted_view = PaddedView(
-        keys=gather(view.keys), values=view.values if not view.values.shape[-1] else gather(view.values),
+        keys=view.keys if not view.keys.shape[-1] else gather(view.keys), values=view.values if not view.values.shape[-1] else gather(view.values),
         positions=gather(view.positions), modality=gather(view.modality),
         valid=gather(view.valid), state={n: gather(t) for n, t in view.state.items()},
     )
@@ -189,7 +190,9 @@ class _Event:
         cap_layer = self.allocation.for_layer(layer.layer_idx).layer_capacity(layer.layer_idx, self.num_layers, caps,
                                                                               protected_window)
         fp = layer.store.padded_view(with_values=True, states=states)
-        tv = layer.tier.view(states=states, with_values=False, dtype=fp.keys.dtype)
+        # a scorer of state and positions only: no INT2 key is dequantized to be scored
+        with_keys = layer_scorer.score_reads_keys
+        tv = layer.tier.view(states=states, with_values=False, with_keys=with_keys, dtype=fp.keys.dtype)
         merged, perm = merge_views(fp, tv.view, sort=True)
         scores = unsort(evictor.layer_scores(self.scorer, layer, merged, cap_layer, ledger, self.num_layers), perm)
         return LayerRouting(
