@@ -134,3 +134,21 @@ def test_export_ships_the_checkpoint_and_a_later_run_continues_from_it(tokenizer
     assert steps == [4, 5]
     with pytest.raises(FileNotFoundError, match="no checkpoint to export"):
         V.export_checkpoint(tmp_path / "nothing", tmp_path / "x")
+
+
+def test_a_fresh_optimizer_mid_schedule_warms_up_again_and_a_resume_keeps_that(tokenizer, tmp_path):
+    model_a, proc_a = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "a", qa_steps=8, stop_at=4), model_a, proc_a)
+    V.export_checkpoint(tmp_path / "a", tmp_path / "shipped")  # done = 4: patch 2 + QA 2
+    cfg = dict(qa_steps=8, warmup=3, stage1_weights=str(tmp_path / "shipped"))
+    model_b, proc_b = _tiny(tokenizer, seed=2)
+    V.train_vlm(_cfg(tmp_path / "b", stop_at=6, **cfg), model_b, proc_b)
+    model_c, proc_c = _tiny(tokenizer, seed=3)  # another session resumes from b's checkpoint
+    V.train_vlm(_cfg(tmp_path / "b", **cfg), model_c, proc_c)
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in rows if "eval" not in r}
+    assert sorted(lr) == list(range(5, 11))
+    schedule = _cfg(tmp_path / "b", **cfg)
+    for step, got in lr.items():
+        ramp = min(1.0, (step - 4) / 3)  # steps 5, 6 at 1/3, 2/3 of the schedule's rate, then all of it
+        assert got == pytest.approx(V._lr(schedule, "qa", step - 1 - 2) * ramp)
