@@ -148,8 +148,11 @@ def test_attention_over_both_tiers_is_one_softmax_over_the_dequantized_entries(p
     gates = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
     cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, tiers={"fp_unit": fp_unit}, **gates)
     calls = []
+    # the in-place decode (the C++ kernel on CPU under "auto", or its PyTorch path)
     in_place = vlm_kv.attention.decode.decode_attention_with_rotated
     monkeypatch.setattr(vlm_kv.attention.decode, "decode_attention_with_rotated", lambda *a: calls.append(1) or in_place(*a))
+    in_kernel = vlm_kv.attention.backend.tiered_decode_attention_cpu
+    monkeypatch.setattr(vlm_kv.attention.backend, "tiered_decode_attention_cpu", lambda *a: calls.append(1) or in_kernel(*a))
     tokens = random_tokens(2 * 72, batch=2, vocab=model.config.vocab_size)
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0  # batch padding on the left
@@ -409,6 +412,7 @@ def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(mon
     tiers where they lie: the same logits as the merged, padded view with every entry rotated back."""
     model = tiny_model("llama")
     tokens = random_tokens(64 + 24, vocab=model.config.vocab_size)
+    torch_path = CacheOptions(attention_backend="torch")  # the PyTorch path (the C++ kernel: tests/kernels)
     calls = []
     in_place = vlm_kv.attention.decode.decode_attention_with_rotated
 
@@ -417,12 +421,14 @@ def test_decode_with_the_rotated_query_equals_rotating_every_int2_entry_back(mon
         return in_place(*args, **kwargs)
 
     monkeypatch.setattr(vlm_kv.attention.decode, "decode_attention_with_rotated", counted)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model),
+                              options=torch_path)
     fast = feed_tokens(model, cache, tokens, 64)
     assert calls and cache.layers[0].tier.rotated and cache.stats()["per_tier"]["int2_windows"] > 0
     # the reference: the same windows, every entry rotated back and attended in the merged view
     monkeypatch.setattr(TieredLayer, "_decodes_in_place", lambda self, query, scorer: False)
-    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model))
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model),
+                              options=torch_path)
     n = len(calls)
     slow = feed_tokens(model, cache, tokens, 64)
     assert len(calls) == n

@@ -6,10 +6,13 @@ so the runtime loads without Triton."""
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vlm_kv.kernels import int2_cpu
 from vlm_kv.kernels.dispatch import paged_decode_attention, resolve_backend
 from vlm_kv.kernels.sources import Int2Source, PagedSource, TritonLaunch
 from vlm_kv.kernels.varlen_prefill import flash_attn_available, paged_prefill_attention
@@ -86,6 +89,55 @@ def prefill_attention_paged(query: torch.Tensor, store: Any, scaling: float | No
     return out.transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class PackedWindows:
+    """One sequence's active INT2 windows as stored, grouped by KV head, for the CPU kernel
+    (``vlm_kv.kernels.int2_cpu``): nothing is decoded or expanded.
+
+    ``key_codes`` / ``value_codes`` [n, w, D // 4] uint8; the keys' grid as the tier stores it
+    (``key_scale`` / ``key_zero`` [n, D] fp16, or the compact grid's uint8 codes with ``key_ref``
+    [n, 3] fp16; [n, 0] for fp16 grids); ``value_scale`` / ``value_zero`` [n, w] fp16;
+    ``head_windows`` [H] int64 windows of each KV head, in order; ``holes`` [n, w] bool or None."""
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    key_ref: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    head_windows: torch.Tensor
+    holes: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.key_codes.shape[0] * self.key_codes.shape[1]
+
+
+def tiered_decode_attention_cpu(query: torch.Tensor, store: Any, windows: list[PackedWindows],
+                                key_basis: torch.Tensor | None, value_basis: torch.Tensor | None,
+                                scaling: float | None) -> torch.Tensor:
+    """Decode over a store and its INT2 windows (``windows[b]``: sequence b's, from
+    ``Int2Tier.packed_windows``) through the C++ kernel, one call per sequence; the INT2 share is
+    rotated back out of the values' basis here. As ``decode.decode_attention_with_rotated``, which
+    it is checked against. [B, 1, Hq, D] in the query's dtype."""
+    b, hq, _, d = query.shape
+    h = store.num_kv_heads
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.reshape(b, hq, d).float()
+    rotated = q if key_basis is None else q @ key_basis
+    tail_k, tail_v = store.tail_keys.float(), store.tail_values.float()
+    tail_valid = store.tail_valid
+    outs = []
+    for i in range(b):
+        start, count = store.batch_span(i)
+        body = (store.body_keys[start : start + count].float(), store.body_values[start : start + count].float(),
+                store.lengths[i * h : (i + 1) * h])
+        tail = (tail_k[i].contiguous(), tail_v[i].contiguous(), tail_valid[i].contiguous())  # a view of the buffer
+        fp, quantized = int2_cpu.tiered_decode(q[i], rotated[i], body, tail, windows[i], hq // h, scale)
+        outs.append(fp + (quantized if value_basis is None else quantized @ value_basis.T))
+    return torch.stack(outs).view(b, 1, hq, d).to(query.dtype)
+
+
 class AttentionPaths:
     """The attention backend a cache was built with ("auto", "torch" or "triton"), resolved lazily:
     the first decode step decides whether decode runs the Triton kernel (CUDA + triton for "auto")."""
@@ -93,6 +145,7 @@ class AttentionPaths:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self._triton_decode: bool | None = None
+        self._cpu_int2: bool | None = None
 
     def triton_decode(self, query: torch.Tensor) -> bool:
         """Whether decode steps run the Triton paged kernel (resolved once, on the first call)."""
@@ -102,6 +155,20 @@ class AttentionPaths:
             else:
                 self._triton_decode = resolve_backend(self.backend, query.device) == "triton"
         return self._triton_decode
+
+    def cpu_int2_decode(self, query: torch.Tensor) -> bool:
+        """Whether tiered decode steps on CPU attend the INT2 windows through the C++ kernels
+        (``vlm_kv.kernels.int2_cpu``): "auto" on CPU when they build (once; otherwise a warning
+        and the PyTorch path), never for "torch" (the pure PyTorch path) or "triton"."""
+        if self._cpu_int2 is None:
+            self._cpu_int2 = False
+            if self.backend == "auto" and query.device.type == "cpu":
+                try:
+                    int2_cpu.load()
+                    self._cpu_int2 = True
+                except int2_cpu.CpuKernelUnavailable as err:
+                    warnings.warn(f"{err}; tiered decode runs the PyTorch path", RuntimeWarning, stacklevel=2)
+        return self._cpu_int2
 
     def flash_prefill(self, query: torch.Tensor) -> bool:
         """Whether a prefill over a compressed store runs flash-attn's varlen function (CUDA, fp16/bf16)."""

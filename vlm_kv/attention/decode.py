@@ -148,8 +148,8 @@ def _decode_attention_low_precision(query: torch.Tensor, store: Any, scaling: fl
 
 @dataclass(frozen=True)
 class RotatedEntries:
-    """One sequence's INT2 entries for decode, flat, grouped by KV head and left in the basis they
-    were quantized in.
+    """One sequence's INT2 entries for decode in PyTorch, flat, grouped by KV head and left in the
+    basis they were quantized in.
 
     ``keys`` [m, D] float32: ``k @ key_basis`` dequantized. Values stay as codes: ``value_codes``
     [m, D] float32 (0..3) with ``value_scale`` / ``value_zero`` [m] float32, the value of entry j
@@ -172,31 +172,33 @@ class RotatedEntries:
         """[m, D] float32 values in the quantization basis (the expansion decode avoids)."""
         return torch.addcmul(self.value_zero[:, None], self.value_codes, self.value_scale[:, None])
 
+    def logits(self, rotated_query: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+        # the product runs over every head at once (one matrix product; the keys are read once
+        # either way) and the other heads' entries are masked after, by slices
+        m = len(self)
+        logits = torch.mm(rotated_query, self.keys.transpose(0, 1)).mul_(scale)
+        per_head = logits.view(len(self.head_counts), group, m)
+        start = 0
+        for h, count in enumerate(self.head_counts):
+            if start:
+                per_head[h, :, :start] = float("-inf")
+            if start + count < m:
+                per_head[h, :, start + count :] = float("-inf")
+            start += count
+        if self.holes is not None:
+            logits.masked_fill_(self.holes[None, :], float("-inf"))
+        return logits
 
-def _int2_logits(rotated_query: torch.Tensor, entries: RotatedEntries, group: int, scale: float) -> torch.Tensor:
-    """[Hq, m] scaled logits of one sequence's INT2 entries, -inf where an entry belongs to another
-    KV head than the query head's or is not attended. The product runs over every head at once
-    (one matrix product; the keys are read once either way) and the other heads are masked after."""
-    m = len(entries)
-    logits = torch.mm(rotated_query, entries.keys.transpose(0, 1)).mul_(scale)
-    per_head = logits.view(len(entries.head_counts), group, m)
-    start = 0
-    for h, count in enumerate(entries.head_counts):
-        if start:
-            per_head[h, :, :start] = float("-inf")
-        if start + count < m:
-            per_head[h, :, start + count :] = float("-inf")
-        start += count
-    if entries.holes is not None:
-        logits.masked_fill_(entries.holes[None, :], float("-inf"))
-    return logits
+    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(torch.mv(probs, self.value_zero)[:, None], probs * self.value_scale, self.value_codes)
 
 
 def decode_attention_with_rotated(query: torch.Tensor, store: Any, int2: Sequence[RotatedEntries],
                                   key_basis: torch.Tensor | None, value_basis: torch.Tensor | None,
                                   scaling: float | None) -> torch.Tensor:
     """One new query per sequence over a store's FP entries and INT2 entries (``int2[b]`` for
-    sequence ``b``) in one float32 softmax; [B, 1, Hq, D].
+    sequence ``b``) in one float32 softmax; [B, 1, Hq, D]. The pure PyTorch path; the C++ kernel
+    (``vlm_kv.attention.backend.tiered_decode_attention_cpu``) is checked against it.
 
     As ``reference.rotated_tier_attention`` (which it is checked against) but read where the
     entries lie: the FP body flat per sequence with each query head masked to its KV head's run,
@@ -226,15 +228,13 @@ def decode_attention_with_rotated(query: torch.Tensor, store: Any, int2: Sequenc
             if len(entries.head_counts) != h or sum(entries.head_counts) != m:
                 raise ValueError(f"INT2 entries of sequence {i}: head counts {entries.head_counts} do not "
                                  f"split {m} entries over {h} KV heads")
-            parts.append(_int2_logits(rotated[i], entries, g, scale))
+            parts.append(entries.logits(rotated[i], g, scale))
         probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
         out = torch.matmul(probs[:, count : count + t].reshape(h, g, t), tail_v[i]).reshape(hq, d)
         if count:
             out = out + probs[:, :count] @ store.body_values[start : start + count].float()
         if m:
-            p_int2 = probs[:, count + t :]
-            out_q = torch.addmm(torch.mv(p_int2, entries.value_zero)[:, None], p_int2 * entries.value_scale,
-                                entries.value_codes)
+            out_q = entries.weighted_values(probs[:, count + t :])
             out = out + (out_q if value_basis is None else out_q @ value_basis.T)
         outs.append(out)
     return torch.stack(outs).view(b, 1, hq, d).to(query.dtype)

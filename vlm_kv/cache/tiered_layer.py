@@ -57,6 +57,9 @@ class TieredLayer(CompressedLayer):
         if self._decodes_in_place(query, scorer):
             # read both tiers where they lie (no per-row padded copy), rotating the query and the
             # INT2 output rather than every INT2 entry (as the kernel does)
+            if paths.cpu_int2_decode(query):
+                return backend.tiered_decode_attention_cpu(query, store, tier.packed_windows(), tier.key_basis,
+                                                           tier.value_basis, scaling)
             return decode.decode_attention_with_rotated(query, store, tier.rotated_entries(), tier.key_basis,
                                                         tier.value_basis, scaling)
         fp = store.padded_view(with_values=True)

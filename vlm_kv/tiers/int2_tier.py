@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from vlm_kv.attention.backend import PackedWindows
 from vlm_kv.attention.decode import RotatedEntries
 from vlm_kv.config import TierConfig
 from vlm_kv.kernels.int2 import (
@@ -502,6 +503,26 @@ class Int2Tier:
             span = slice(start * w, (start + count) * w)  # idx is ordered by row, so by sequence, then head
             out.append(RotatedEntries(keys[span], value_codes[span], value_scale[span], value_zero[span],
                                       tuple(n * w for n in per_head), None if holes is None else holes[span]))
+            start += count
+        return out
+
+    def packed_windows(self) -> list[PackedWindows]:
+        """Per sequence, its active windows as stored (codes and grids), grouped by KV head, for the
+        CPU kernel (post-RoPE codes only). Slices of the ledger, as ``rotated_entries``; nothing is
+        decoded or expanded."""
+        if self.rope is not None:
+            raise ValueError("packed windows need post-RoPE codes: pre-RoPE keys must be rotated back per position")
+        layout = self._layout()
+        c = self.codes
+        take = slice(0, self.num_active) if layout.prefix else layout.idx
+        parts = (c.key_codes[take], c.key_scale[take], c.key_zero[take], c.key_ref[take], c.value_codes[take],
+                 c.value_scale[take], c.value_zero[take])
+        holes = None if layout.full else self.positions[take] < 0
+        out, start = [], 0
+        for count, per_head in zip(layout.windows_per_sequence, layout.windows_per_head):
+            span = slice(start, start + count)
+            out.append(PackedWindows(*(t[span] for t in parts), head_windows=torch.tensor(per_head, dtype=torch.long),
+                                     holes=None if holes is None else holes[span]))
             start += count
         return out
 

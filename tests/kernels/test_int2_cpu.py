@@ -1,0 +1,114 @@
+"""The C++ tiered decode kernel (``vlm_kv.kernels.int2_cpu``) against the PyTorch path
+(``attention.decode.decode_attention_with_rotated``), on cache states a tiered prefill left."""
+import dataclasses
+
+import pytest
+import torch
+
+import vlm_kv
+from vlm_kv.attention import backend, decode
+from vlm_kv.config import CacheOptions
+from vlm_kv.kernels import int2_cpu
+from vlm_kv.testing import feed_tokens, random_tokens, tiny_gates, tiny_inputs, tiny_model
+
+CASES = [
+    ("llama", "snapkv", "int2", 2, torch.float32),
+    ("qwen2", "dbtrimkv", "int2", 2, torch.float32),  # ragged FP body, INT2 windows with holes
+    ("llama", "snapkv", {"basis": "channel"}, 1, torch.float32),  # no basis
+    ("llama", "snapkv", {"key_grid": "fp16"}, 1, torch.float32),
+    ("qwen2", "dbtrimkv", "int2", 2, torch.bfloat16),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    try:
+        int2_cpu.load()
+    except int2_cpu.CpuKernelUnavailable as err:  # the suite's install has a compiler and ninja: this fails
+        pytest.fail(str(err))
+
+
+def _prefilled(family, policy, tiers, batch, dtype, backend_name="auto"):
+    model = tiny_model(family, dtype=dtype, num_layers=2)
+    inputs = tiny_inputs(model, batch_size=batch, num_images=0, text_len=300, left_pad=6)
+    options = CacheOptions(attention_backend=backend_name,
+                           scorer_kwargs={} if policy == "dbtrimkv" else {"window": 4})
+    extra = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
+    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers=tiers, options=options, **extra)
+    with torch.no_grad():
+        model(**inputs, cache=cache)
+    return model, cache
+
+
+@pytest.mark.parametrize("family,policy,tiers,batch,dtype", CASES)
+def test_the_kernel_equals_the_pytorch_path(family, policy, tiers, batch, dtype):
+    model, cache = _prefilled(family, policy, tiers, batch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        store, tier = layer.store, layer.tier
+        assert tier.num_active > 0
+        query = torch.randn(batch, model.config.num_attention_heads, 1, store.head_dim, generator=gen).to(dtype)
+        want = decode.decode_attention_with_rotated(query, store, tier.rotated_entries(), tier.key_basis,
+                                                    tier.value_basis, layer.scaling)
+        got = backend.tiered_decode_attention_cpu(query, store, tier.packed_windows(), tier.key_basis,
+                                                  tier.value_basis, layer.scaling)
+        assert got.shape == want.shape and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_holes_and_invalid_tail_slots_get_no_weight():
+    model, cache = _prefilled("qwen2", "dbtrimkv", "int2", 2, torch.float32)
+    layer = cache.layers[0]
+    windows = layer.tier.packed_windows()
+    w0 = windows[0]
+    holes = torch.zeros(w0.key_codes.shape[:2], dtype=torch.bool) if w0.holes is None else w0.holes.clone()
+    holes[0, 0] = True
+    assert w0.key_ref.shape[1] == 3  # the compact grid: z_lo moves every channel's zero
+    poisoned = dataclasses.replace(w0, key_ref=w0.key_ref.clone(), value_zero=w0.value_zero.clone(), holes=holes)
+    poisoned.key_ref[0, 0] += 1000.0  # every key of window 0: only slot 0 is a hole
+    clean = dataclasses.replace(w0, holes=holes)
+    query = torch.randn(2, model.config.num_attention_heads, 1, layer.store.head_dim)
+    args = (layer.tier.key_basis, layer.tier.value_basis, layer.scaling)
+    base = backend.tiered_decode_attention_cpu(query, layer.store, [clean, windows[1]], *args)
+    moved = backend.tiered_decode_attention_cpu(query, layer.store, [poisoned, windows[1]], *args)
+    assert not torch.allclose(base, moved)  # the other slots of window 0 feel the change
+    poisoned.key_ref[0, 0] = w0.key_ref[0, 0]  # back as it was (fp16: no -= 1000)
+    poisoned.value_zero[0, 0] = 6e4  # the hole's value: no weight, no change
+    same = backend.tiered_decode_attention_cpu(query, layer.store, [poisoned, windows[1]], *args)
+    torch.testing.assert_close(same, base)
+
+
+def test_decoding_through_the_kernel_matches_the_pure_pytorch_backend():
+    """A whole generation: attention_backend "auto" (the kernel on CPU) against "torch"."""
+    outs = []
+    for name in ("auto", "torch"):
+        model = tiny_model("llama")
+        tokens = random_tokens(64 + 24, batch=2, vocab=model.config.vocab_size)
+        cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, tiers="int2", gates=tiny_gates(model),
+                                  options=CacheOptions(attention_backend=name))
+        outs.append(feed_tokens(model, cache, tokens, 64))
+        assert cache.layers[0].tier.num_active > 0
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_inconsistent_inputs_are_refused_by_name():
+    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+    layer = cache.layers[0]
+    (w,) = layer.tier.packed_windows()
+    bad = dataclasses.replace(w, head_windows=w.head_windows + 1)
+    query = torch.randn(1, model.config.num_attention_heads, 1, layer.store.head_dim)
+    with pytest.raises(RuntimeError, match="head_windows sum to"):
+        backend.tiered_decode_attention_cpu(query, layer.store, [bad], layer.tier.key_basis, layer.tier.value_basis,
+                                            layer.scaling)
+
+
+def test_a_build_failure_keeps_the_pytorch_path_with_a_warning(monkeypatch):
+    def fail():
+        raise int2_cpu.CpuKernelUnavailable("the CPU INT2 kernels could not be built: no compiler")
+
+    monkeypatch.setattr(int2_cpu, "load", fail)
+    paths = backend.AttentionPaths("auto")
+    with pytest.warns(RuntimeWarning, match="no compiler"):
+        assert paths.cpu_int2_decode(torch.zeros(1)) is False
+    assert backend.AttentionPaths("torch").cpu_int2_decode(torch.zeros(1)) is False
