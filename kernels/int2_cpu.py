@@ -26,6 +26,10 @@ import torch
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__) && !defined(VLM_KV_SCALAR)
+#define VLM_KV_AVX512 1
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -66,7 +70,32 @@ const CodeTable& codes_as_floats() {
   return table;
 }
 
-inline void unpack(const uint8_t* __restrict__ row, int64_t D4, float* __restrict__ out) {
+// Codes unpack in "plane" order when the row's bytes come in chunks of 16 (head_dim a multiple of
+// 64): chunk c's plane i holds channel 64c + 4k + i at place 64c + 16i + k, which is what shifting
+// 16 bytes at once gives (one vector instruction per plane). Dots and sums do not care about the
+// order as long as the query, the grid and the accumulators use the same one (``place``).
+inline int64_t place(int64_t ch, bool planes) {
+  return planes ? (ch / 64) * 64 + (ch % 4) * 16 + (ch % 64) / 4 : ch;
+}
+
+inline void unpack(const uint8_t* __restrict__ row, int64_t D4, float* __restrict__ out, bool planes) {
+  if (planes) {
+    for (int64_t c = 0; c < D4; c += 16) {
+#ifdef VLM_KV_AVX512
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+      const __m512i three = _mm512_set1_epi32(3);
+      float* o = out + 4 * c;
+      _mm512_storeu_ps(o, _mm512_cvtepi32_ps(_mm512_and_si512(b, three)));
+      _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 2), three)));
+      _mm512_storeu_ps(o + 32, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 4), three)));
+      _mm512_storeu_ps(o + 48, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 6), three)));
+#else
+      for (int64_t i = 0; i < 4; ++i)
+        for (int64_t k = 0; k < 16; ++k) out[4 * c + 16 * i + k] = static_cast<float>((row[c + k] >> (2 * i)) & 3);
+#endif
+    }
+    return;
+  }
   const CodeTable& t = codes_as_floats();
   for (int64_t b = 0; b < D4; ++b) {
     const float* f = t.v[row[b]];
@@ -195,6 +224,13 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
       }
     }
   });
+  const bool planes = D4 % 16 == 0;
+  // the channel at each place of the unpacked order, and the rotated query in that order
+  std::vector<int64_t> channel(D);
+  for (int64_t ch = 0; ch < D; ++ch) channel[place(ch, planes)] = ch;
+  std::vector<float> qp(Hq * D);
+  for (int64_t qh = 0; qh < Hq; ++qh)
+    for (int64_t x = 0; x < D; ++x) qp[qh * D + x] = qr[qh * D + channel[x]];
   // INT2 logits, per window: q . (code * scale + zero) = (q * scale) . code + q . zero
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(group * D), qz(group), code(D), sj(D), zj(D);
@@ -203,24 +239,24 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
       if (compact) {
         const float z_lo = static_cast<float>(kref[3 * j]), z_step = static_cast<float>(kref[3 * j + 1]);
         const float s_step = static_cast<float>(kref[3 * j + 2]);
-        for (int64_t ch = 0; ch < D; ++ch) {
-          zj[ch] = z_lo + static_cast<float>(kz8[j * D + ch]) * z_step;
-          sj[ch] = static_cast<float>(ks8[j * D + ch]) * s_step;
+        for (int64_t x = 0; x < D; ++x) {
+          zj[x] = z_lo + static_cast<float>(kz8[j * D + channel[x]]) * z_step;
+          sj[x] = static_cast<float>(ks8[j * D + channel[x]]) * s_step;
         }
       } else {
-        for (int64_t ch = 0; ch < D; ++ch) {
-          sj[ch] = static_cast<float>(ks16[j * D + ch]);
-          zj[ch] = static_cast<float>(kz16[j * D + ch]);
+        for (int64_t x = 0; x < D; ++x) {
+          sj[x] = static_cast<float>(ks16[j * D + channel[x]]);
+          zj[x] = static_cast<float>(kz16[j * D + channel[x]]);
         }
       }
       for (int64_t r = 0; r < group; ++r) {
-        const float* qq = qr + (h * group + r) * D;
+        const float* qq = qp.data() + (h * group + r) * D;
         float* qsr = qs.data() + r * D;
         float dz = 0.f;
 #pragma omp simd reduction(+ : dz)
-        for (int64_t ch = 0; ch < D; ++ch) {
-          qsr[ch] = qq[ch] * sj[ch];
-          dz += qq[ch] * zj[ch];
+        for (int64_t x = 0; x < D; ++x) {
+          qsr[x] = qq[x] * sj[x];
+          dz += qq[x] * zj[x];
         }
         qz[r] = dz;
       }
@@ -230,7 +266,7 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
           for (int64_t r = 0; r < group; ++r) logit[off[h * group + r] + bl[h] + T + slot] = ninf;
           continue;
         }
-        unpack(kc + (j * w + t) * D4, D4, code.data());
+        unpack(kc + (j * w + t) * D4, D4, code.data(), planes);
         for (int64_t r = 0; r < group; ++r) {
           const float* qsr = qs.data() + r * D;
           float acc = 0.f;
@@ -290,7 +326,7 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
         bool any = false;
         for (int64_t r = 0; r < group; ++r) any = any || logit[off[h * group + r] + slot] != 0.f;
         if (!any) continue;  // a hole, or an entry no query head weighs
-        unpack(vc + e * D4, D4, code.data());
+        unpack(vc + e * D4, D4, code.data(), planes);
         for (int64_t r = 0; r < group; ++r) {
           const float p = logit[off[h * group + r] + slot];
           const float ws = p * static_cast<float>(vs[e]);
@@ -305,7 +341,8 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
   for (int64_t th = 0; th < threads; ++th) {
     const float* src = part.data() + th * Hq * (D + 1);
     for (int64_t qh = 0; qh < Hq; ++qh)
-      for (int64_t ch = 0; ch < D; ++ch) o_q[qh * D + ch] += src[qh * (D + 1) + ch] + src[qh * (D + 1) + D];
+      for (int64_t ch = 0; ch < D; ++ch)
+        o_q[qh * D + ch] += src[qh * (D + 1) + place(ch, planes)] + src[qh * (D + 1) + D];
   }
   return out;
 }
@@ -318,35 +355,39 @@ class CpuKernelUnavailable(RuntimeError):
     """The C++ INT2 kernels could not be built here (no compiler, no ninja, a build error)."""
 
 
-@lru_cache(maxsize=1)
-def _build():
+@lru_cache(maxsize=2)
+def _build(scalar: bool = False):
     from torch.utils.cpp_extension import load_inline
 
-    # -O3 and the host's vector units: the extension is built on the machine that runs it
-    flags = ["-O3", "-march=native", "-fopenmp-simd"]
-    return load_inline(name="vlm_kv_int2_cpu", cpp_sources=[_SOURCE], functions=_FUNCTIONS,
-                       extra_cflags=flags, verbose=bool(os.environ.get("VLM_KV_VERBOSE_BUILD")))
+    # -O3 and the host's vector units: the extension is built on the machine that runs it;
+    # -fopenmp: at::parallel_for is a header template that runs serially without it (measured: the
+    # same time on 1 and 2 threads)
+    flags = ["-O3", "-march=native", "-fopenmp"] + (["-DVLM_KV_SCALAR"] if scalar else [])
+    return load_inline(name="vlm_kv_int2_cpu" + ("_scalar" if scalar else ""), cpp_sources=[_SOURCE], functions=_FUNCTIONS,
+                       extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       verbose=bool(os.environ.get("VLM_KV_VERBOSE_BUILD")))
 
 
-def load():
+def load(scalar: bool = False):
     """The compiled module (built on the first call, then cached by torch on disk); raises
-    ``CpuKernelUnavailable`` with the reason where it cannot be built."""
+    ``CpuKernelUnavailable`` with the reason where it cannot be built. ``scalar``: the build without
+    AVX-512 unpacking (what a CPU without it runs; the tests build it to check that path too)."""
     try:
-        return _build()
+        return _build(scalar)
     except Exception as err:  # a missing compiler, ninja or header surfaces as many exception types
         raise CpuKernelUnavailable(f"the CPU INT2 kernels could not be built: {err}") from err
 
 
 def tiered_decode(query: torch.Tensor, rotated_query: torch.Tensor, body: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor], windows, group: int,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, scalar: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's decode step: (FP share [Hq, D], INT2 share [Hq, D] in the values' basis) of
     the attention output, one float32 softmax over both. ``query`` / ``rotated_query`` [Hq, D]
     float32 (the latter in the keys' basis); ``body``: keys, values [n_b, D] float32 laid out by KV
     head and [H] int64 entries per head; ``tail``: keys, values [H, T, D] float32 and [T] bool valid;
     ``windows``: a ``vlm_kv.attention.backend.PackedWindows``."""
     empty = torch.empty(0, 0, dtype=torch.bool)
-    out = load().tiered_decode(query, rotated_query, *body, *tail, windows.key_codes, windows.key_scale,
+    out = load(scalar).tiered_decode(query, rotated_query, *body, *tail, windows.key_codes, windows.key_scale,
                                windows.key_zero, windows.key_ref, windows.value_codes, windows.value_scale, windows.value_zero,
                                windows.head_windows, empty if windows.holes is None else windows.holes,
                                group, float(scale))

@@ -112,3 +112,66 @@ def test_a_build_failure_keeps_the_pytorch_path_with_a_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="no compiler"):
         assert paths.cpu_int2_decode(torch.zeros(1)) is False
     assert backend.AttentionPaths("torch").cpu_int2_decode(torch.zeros(1)) is False
+
+
+def _synthetic(head_dim, key_grid, gen):
+    """One sequence: 2 KV heads x 3 query heads, a ragged body, a tail with an invalid slot, INT2
+    windows with holes, quantized as the tier does (keys per channel, values per token)."""
+    from vlm_kv.kernels.int2 import quantize_keys, quantize_keys_compact, quantize_values
+
+    H, g, w, T = 2, 3, 8, 4
+    body_lengths, windows = torch.tensor([5, 7]), torch.tensor([3, 4])
+    n = int(windows.sum())
+    raw_k, raw_v = torch.randn(n, w, head_dim, generator=gen), torch.randn(n, w, head_dim, generator=gen)
+    vc, vs, vz = quantize_values(raw_v)
+    if key_grid == "fp16":
+        kc, ks, kz = quantize_keys(raw_k)
+        ref = torch.empty(n, 0, dtype=torch.float16)
+    else:
+        kc, kz, ks, ref = quantize_keys_compact(raw_k)
+    holes = torch.rand(n, w, generator=gen) < 0.2
+    packed = backend.PackedWindows(kc, ks, kz, ref, vc, vs, vz, windows, holes)
+    body = (torch.randn(int(body_lengths.sum()), head_dim, generator=gen),
+            torch.randn(int(body_lengths.sum()), head_dim, generator=gen), body_lengths)
+    tail = (torch.randn(H, T, head_dim, generator=gen), torch.randn(H, T, head_dim, generator=gen),
+            torch.tensor([True, False, True, True]))
+    return packed, body, tail, g
+
+
+def _reference(query, packed, body, tail, g, scale):
+    from vlm_kv.kernels.int2 import decode_key_grid, dequantize_keys, dequantize_values
+
+    grid = (packed.key_scale, packed.key_zero) if packed.key_ref.shape[1] == 0 else \
+        decode_key_grid(packed.key_zero, packed.key_scale, packed.key_ref)
+    keys = dequantize_keys(packed.key_codes, *grid)
+    values = dequantize_values(packed.value_codes, packed.value_scale, packed.value_zero)
+    fp_out, q_out = torch.zeros_like(query), torch.zeros_like(query)
+    b_start = torch.cumsum(body[2], 0) - body[2]
+    w_start = torch.cumsum(packed.head_windows, 0) - packed.head_windows
+    for qh in range(query.shape[0]):
+        h = qh // g
+        bs, bn = int(b_start[h]), int(body[2][h])
+        ws, wn = int(w_start[h]), int(packed.head_windows[h])
+        fk = torch.cat([body[0][bs : bs + bn], tail[0][h][tail[2]]])
+        fv = torch.cat([body[1][bs : bs + bn], tail[1][h][tail[2]]])
+        keep = ~packed.holes[ws : ws + wn].reshape(-1)
+        qk = keys[ws : ws + wn].reshape(-1, keys.shape[-1])[keep]
+        qv = values[ws : ws + wn].reshape(-1, keys.shape[-1])[keep]
+        p = torch.softmax(torch.cat([fk @ query[qh], qk @ query[qh]]) * scale, dim=0)
+        fp_out[qh] = p[: len(fk)] @ fv
+        q_out[qh] = p[len(fk) :] @ qv
+    return fp_out, q_out
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("head_dim, key_grid", [(16, "int8"), (64, "int8"), (64, "fp16"), (128, "int8")])
+def test_the_kernel_equals_a_brute_force_reference(head_dim, key_grid, scalar):
+    """head_dim 64 and 128 unpack 16 bytes at a time (AVX-512 where the build has it, its scalar
+    twin with ``scalar``); 16 takes the lookup table. The FP and INT2 shares come back apart."""
+    gen = torch.Generator().manual_seed(head_dim)
+    packed, body, tail, g = _synthetic(head_dim, key_grid, gen)
+    query = torch.randn(2 * g, head_dim, generator=gen)
+    fp, quantized = int2_cpu.tiered_decode(query, query, body, tail, packed, g, 0.3, scalar=scalar)
+    want_fp, want_q = _reference(query, packed, body, tail, g, 0.3)
+    torch.testing.assert_close(fp, want_fp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quantized, want_q, rtol=1e-5, atol=1e-5)

@@ -94,7 +94,8 @@ class Ranking:
     @classmethod
     def by_score(cls, group: torch.Tensor, score: torch.Tensor, groups: int) -> "Ranking":
         by_score = torch.argsort(score, descending=True, stable=True)
-        order = by_score[torch.argsort(group[by_score], stable=True)]
+        # one group (a global ranking of one sequence): the second stable sort would keep this order
+        order = by_score if groups == 1 else by_score[torch.argsort(group[by_score], stable=True)]
         g = group[order]
         counts = segment_counts(g, groups)
         start = exclusive_cumsum(counts)
@@ -122,8 +123,16 @@ def per_layer(decision: torch.Tensor, layer: torch.Tensor, index: torch.Tensor,
     """Flat decisions of candidates from every layer (``layer`` [N] and flat ``index`` [N] of each)
     laid out per layer in ``shapes``; what no candidate covers is EVICT."""
     out = []
+    # candidates come layer after layer (cat_records of per-layer records): slice them where they do
+    counts = torch.bincount(layer, minlength=len(shapes)).tolist() if layer.numel() else [0] * len(shapes)
+    in_order = layer.numel() < 2 or bool((layer[1:] >= layer[:-1]).all())
+    start = 0
     for li, shape in enumerate(shapes):
-        mine = layer == li
+        if in_order:
+            mine = slice(start, start + counts[li])
+            start += counts[li]
+        else:
+            mine = layer == li
         dec = torch.full((math.prod(shape),), EVICT, dtype=torch.long, device=decision.device)
         dec[index[mine]] = decision[mine]
         out.append(dec.view(shape))
