@@ -245,7 +245,9 @@ class CacheOptions:
     ``slack``: tokens per head kept free below the budget at each step.
     ``seed``: the random policy's seed (each sequence draws from its own stream).
     ``attention_backend``: decode attention, "auto" (the Triton paged kernel on CUDA when triton
-    imports, PyTorch otherwise), "torch", or "triton" (raises where it cannot run).
+    imports; on CPU, tiered decode steps through the C++ kernel ``vlm_kv.kernels.int2_cpu`` when
+    it builds, built once on first use; PyTorch otherwise), "torch" (the pure PyTorch path), or
+    "triton" (raises where it cannot run).
     ``allocation``: override how the budget is spread (uniform, pyramid, adaptive, global).
     ``scorer_kwargs`` / ``allocation_kwargs``: fields of the policy's scorer / allocation dataclass
     (e.g. ``{"window": 8}`` for snapkv's observation window).

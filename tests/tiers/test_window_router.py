@@ -513,3 +513,18 @@ def test_a_tier_view_without_keys_carries_no_values():
         tier.view(with_keys=False, with_values=True)
     view = tier.view(with_keys=False, with_values=False).view
     assert view.keys.shape[-1] == 0 and view.keys.shape[:3] == view.positions.shape
+
+
+def test_packed_windows_are_kept_between_routing_events_and_dropped_at_one():
+    model = tiny_model("llama")
+    cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.3, **_kwargs("dbtrimkv", model, "token"))
+    tokens = random_tokens(64 + 9, batch=2, vocab=model.config.vocab_size)
+    feed_tokens(model, cache, tokens, 64)
+    tier = cache.layers[0].tier
+    first = tier.packed_windows()
+    assert tier.packed_windows() is first  # no rebuild since: the same views
+    tier.rebuild(torch.ones(len(tier), dtype=torch.bool), tier.active.clone(), None, None)
+    assert tier._packed_cache is None  # nothing holds views of the replaced codes
+    again = tier.packed_windows()
+    assert again is not first
+    assert torch.equal(again[0].key_codes, first[0].key_codes)

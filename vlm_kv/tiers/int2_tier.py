@@ -306,6 +306,9 @@ class Int2Tier:
         self.active = torch.empty(0, dtype=torch.bool, device=device)
         self._num_active = 0  # read on every decode step: kept as an int, no device sync
         self._layout_cache: TierLayout | None = None
+        # packed_windows' views of the codes, fixed between routing events like the layout (dropped
+        # with it, so that no view keeps replaced codes alive)
+        self._packed_cache: list[PackedWindows] | None = None
         self.counters = TierCounters()
         # host copies of the original FP windows, aligned with the ledger (spill tier), or None
         self.pin_spill = SpillCopies.pin_for(device)
@@ -401,6 +404,10 @@ class Int2Tier:
             prefix=idx.numel() == 0 or (int(idx[0]) == 0 and int(idx[-1]) == idx.numel() - 1),
         )
         return self._layout_cache
+
+    def _forget_layout(self) -> None:
+        self._layout_cache = None
+        self._packed_cache = None
 
     def window_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Active windows per row for the kernels: ([rows, max_windows] int32 ledger index, [rows] int32 counts)."""
@@ -512,6 +519,8 @@ class Int2Tier:
         decoded or expanded."""
         if self.rope is not None:
             raise ValueError("packed windows need post-RoPE codes: pre-RoPE keys must be rotated back per position")
+        if self._packed_cache is not None:
+            return self._packed_cache
         layout = self._layout()
         c = self.codes
         take = slice(0, self.num_active) if layout.prefix else layout.idx
@@ -524,6 +533,7 @@ class Int2Tier:
             out.append(PackedWindows(*(t[span] for t in parts), head_windows=torch.tensor(per_head, dtype=torch.long),
                                      holes=None if holes is None else holes[span]))
             start += count
+        self._packed_cache = out
         return out
 
     def add_state(self, name: str, padded: torch.Tensor, slot: torch.Tensor) -> None:
@@ -562,7 +572,7 @@ class Int2Tier:
         self.codes, self.row, self.window_id = codes, row, wid
         self.positions, self.modality, self.state, self.active = positions, modality, state, act
         self._num_active = int(act.sum())
-        self._layout_cache = None
+        self._forget_layout()
         self._put_in_layout_order()
 
     def _put_in_layout_order(self) -> None:
@@ -590,7 +600,7 @@ class Int2Tier:
         self.active = self.active[idx]
         if self.spill is not None:
             self.spill = self.spill.select(idx, self.pin_spill)
-        self._layout_cache = None
+        self._forget_layout()
 
     def _rebuild_spill(self, idx: torch.Tensor, new: "NewWindows | None") -> None:
         added = new is not None and len(new.codes) > 0
