@@ -19,6 +19,8 @@ keeps the PyTorch path (``vlm_kv.attention.backend.AttentionPaths.cpu_int2_decod
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from functools import lru_cache
 
 import torch
@@ -351,6 +353,10 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
 _FUNCTIONS = ["tiered_decode"]
 
 
+#: seconds a ``load`` may take before it says that it is building (a cached build loads in well under this)
+BUILD_NOTICE_AFTER = 2.0
+
+
 class CpuKernelUnavailable(RuntimeError):
     """The C++ INT2 kernels could not be built here (no compiler, no ninja, a build error)."""
 
@@ -372,10 +378,17 @@ def load(scalar: bool = False):
     """The compiled module (built on the first call, then cached by torch on disk); raises
     ``CpuKernelUnavailable`` with the reason where it cannot be built. ``scalar``: the build without
     AVX-512 unpacking (what a CPU without it runs; the tests build it to check that path too)."""
+    notice = threading.Timer(BUILD_NOTICE_AFTER, lambda: print(
+        "vlm-kv: building the CPU tiered-decode kernel (once per machine and version, about 30 s; "
+        "attention_backend='torch' skips it)", file=sys.stderr, flush=True))
+    notice.daemon = True
+    notice.start()
     try:
         return _build(scalar)
     except Exception as err:  # a missing compiler, ninja or header surfaces as many exception types
         raise CpuKernelUnavailable(f"the CPU INT2 kernels could not be built: {err}") from err
+    finally:
+        notice.cancel()
 
 
 def tiered_decode(query: torch.Tensor, rotated_query: torch.Tensor, body: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

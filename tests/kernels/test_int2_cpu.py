@@ -175,3 +175,16 @@ def test_the_kernel_equals_a_brute_force_reference(head_dim, key_grid, scalar):
     want_fp, want_q = _reference(query, packed, body, tail, g, 0.3)
     torch.testing.assert_close(fp, want_fp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(quantized, want_q, rtol=1e-5, atol=1e-5)
+
+
+def test_a_slow_build_says_so_and_a_quick_load_stays_silent(monkeypatch, capsys):
+    import time
+
+    monkeypatch.setattr(int2_cpu, "BUILD_NOTICE_AFTER", 0.05)
+    monkeypatch.setattr(int2_cpu, "_build", lambda scalar=False: time.sleep(0.3) or "module")
+    assert int2_cpu.load() == "module"
+    assert "building the CPU tiered-decode kernel" in capsys.readouterr().err
+    monkeypatch.setattr(int2_cpu, "_build", lambda scalar=False: "module")
+    assert int2_cpu.load() == "module"
+    time.sleep(0.1)  # past the notice's delay: a cancelled notice prints nothing
+    assert capsys.readouterr().err == ""
