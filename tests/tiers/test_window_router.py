@@ -472,33 +472,43 @@ def test_rotated_entries_of_an_out_of_order_ledger_are_the_same():
 
 @pytest.mark.parametrize("policy, scorer_class, fp_unit", [("dbtrimkv", "RetentionScorer", "token"),
                                                             ("qevict", "H2O", None)])
-def test_routing_by_state_scores_without_dequantizing_int2_keys_and_decides_the_same(policy, scorer_class, fp_unit,
-                                                                                     monkeypatch):
+def test_routing_by_state_scores_without_int2_keys_or_sorting_and_decides_the_same(policy, scorer_class, fp_unit,
+                                                                                   monkeypatch):
+    """A scorer of single entries by state and positions: its routing events dequantize no INT2
+    key and do not sort rows by position, and decide exactly as with both."""
     import vlm_kv.policies.h2o as h2o
     import vlm_kv.policies.retention as retention
+    import vlm_kv.tiers.window_router as router
 
     cls = {"RetentionScorer": retention.RetentionScorer, "H2O": h2o.H2O}[scorer_class]
     model = tiny_model("llama")
     tokens = random_tokens(64 + 40, batch=2, vocab=model.config.vocab_size)
-    original_view = Int2Tier.view
+    original_view, original_merge = Int2Tier.view, router.merge_views
 
-    def run(reads_keys):
-        monkeypatch.setattr(cls, "score_reads_keys", reads_keys)
-        calls = []
+    def run(shortcuts):
+        monkeypatch.setattr(cls, "score_reads_keys", not shortcuts)
+        monkeypatch.setattr(cls, "score_is_per_entry", shortcuts)
+        keyed, sorted_ = [], []
 
-        def spy(self, *args, **kwargs):
-            calls.append(kwargs.get("with_keys", True))
+        def view(self, *args, **kwargs):
+            keyed.append(kwargs.get("with_keys", True))
             return original_view(self, *args, **kwargs)
 
-        monkeypatch.setattr(Int2Tier, "view", spy)
+        def merge(fp, tier, sort):
+            sorted_.append(sort)
+            return original_merge(fp, tier, sort)
+
+        monkeypatch.setattr(Int2Tier, "view", view)
+        monkeypatch.setattr(router, "merge_views", merge)
         cache = vlm_kv.make_cache(model, policy=policy, budget=0.3, **_kwargs(policy, model, fp_unit))
         out = feed_tokens(model, cache, tokens, 64)
         held = [layer.held_positions() for layer in cache.layers]
-        return out, held, calls
+        return out, held, keyed, sorted_
 
-    out_a, held_a, calls_a = run(False)
-    out_b, held_b, calls_b = run(True)
-    assert False in calls_a and False not in calls_b  # the routing events scored without keys
+    out_a, held_a, keyed_a, sorted_a = run(True)
+    out_b, held_b, keyed_b, sorted_b = run(False)
+    assert False in keyed_a and False not in keyed_b  # routing events scored without INT2 keys
+    assert sorted_a and not any(sorted_a) and all(sorted_b)  # ... and without sorting rows
     torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
     for (pa, ta), (pb, tb) in zip(held_a, held_b):
         assert torch.equal(pa, pb) and torch.equal(ta, tb)

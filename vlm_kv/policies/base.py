@@ -48,6 +48,10 @@ class Scorer:
     #: otherwise, so that a scorer nobody checked never scores an empty key tensor; False lets a
     #: tiered cache's routing events skip dequantizing every INT2 key just to score it
     score_reads_keys: ClassVar[bool] = True
+    #: an entry's score depends on that entry alone (not on its neighbours along the positions, as
+    #: SnapKV's pooling does): a routing event then scores the entries in the order they lie instead
+    #: of sorting each row by position first. False unless a scorer says otherwise (fail closed)
+    score_is_per_entry: ClassVar[bool] = False
     #: how a tiered cache turns entry scores into one score per window: "sum" for additive
     #: masses (attention), "logsumexp" for log-domain scores, "max" / "mean" otherwise
     window_reduce: ClassVar[str] = "sum"

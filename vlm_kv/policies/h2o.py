@@ -22,6 +22,7 @@ class H2O(Scorer):
     state_names: ClassVar[tuple[str, ...]] = ("attn_sum",)
     recent_ratio: float = 0.5
     score_reads_keys: ClassVar[bool] = False  # the attention summed in state ("attn_sum")
+    score_is_per_entry: ClassVar[bool] = True
 
     def protected_window(self, capacity: int) -> int:
         return int(self.recent_ratio * capacity)

@@ -25,6 +25,7 @@ class KIVI2Scorer(Scorer):
     name: ClassVar[str] = "kivi2"
     window_reduce: ClassVar[str] = "max"
     score_reads_keys: ClassVar[bool] = False  # positions only
+    score_is_per_entry: ClassVar[bool] = True
     num_sinks: int = 4
     residual: int = 128
 

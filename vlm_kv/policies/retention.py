@@ -25,6 +25,7 @@ class RetentionScorer(Scorer):
     state_names: ClassVar[tuple[str, ...]] = ("log_beta",)
     window_reduce: ClassVar[str] = "logsumexp"  # scores are log retentions: a window retains their sum
     score_reads_keys: ClassVar[bool] = False  # gate outputs and positions only
+    score_is_per_entry: ClassVar[bool] = True
     num_sinks: int = 4
 
     @property

@@ -193,8 +193,11 @@ class _Event:
         # a scorer of state and positions only: no INT2 key is dequantized to be scored
         with_keys = layer_scorer.score_reads_keys
         tv = layer.tier.view(states=states, with_values=False, with_keys=with_keys, dtype=fp.keys.dtype)
-        merged, perm = merge_views(fp, tv.view, sort=True)
-        scores = unsort(evictor.layer_scores(self.scorer, layer, merged, cap_layer, ledger, self.num_layers), perm)
+        # scores of single entries need no position order (smoothing along positions does)
+        merged, perm = merge_views(fp, tv.view, sort=not layer_scorer.score_is_per_entry)
+        scores = evictor.layer_scores(self.scorer, layer, merged, cap_layer, ledger, self.num_layers)
+        if perm is not None:
+            scores = unsort(scores, perm)
         return LayerRouting(
             fp=fp, tier_slot=tv.slot, scores=scores,
             positions=torch.cat([fp.positions, tv.view.positions], dim=2),
