@@ -18,7 +18,9 @@ keeps the PyTorch path (``vlm_kv.attention.backend.AttentionPaths.cpu_int2_decod
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import sys
 import threading
 from functools import lru_cache
@@ -361,6 +363,18 @@ class CpuKernelUnavailable(RuntimeError):
     """The C++ INT2 kernels could not be built here (no compiler, no ninja, a build error)."""
 
 
+def _host_tag() -> str:
+    """A short hash of this CPU's feature flags. Why: the build uses ``-march=native`` and torch
+    caches it by name under the home folder, which machines with other CPUs may share; a build
+    made for AVX-512 must never load where the instructions are missing."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line for line in fh if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((platform.machine() + (flags or platform.processor())).encode()).hexdigest()[:10]
+
+
 @lru_cache(maxsize=2)
 def _build(scalar: bool = False):
     from torch.utils.cpp_extension import load_inline
@@ -369,7 +383,8 @@ def _build(scalar: bool = False):
     # -fopenmp: at::parallel_for is a header template that runs serially without it (measured: the
     # same time on 1 and 2 threads)
     flags = ["-O3", "-march=native", "-fopenmp"] + (["-DVLM_KV_SCALAR"] if scalar else [])
-    return load_inline(name="vlm_kv_int2_cpu" + ("_scalar" if scalar else ""), cpp_sources=[_SOURCE], functions=_FUNCTIONS,
+    name = f"vlm_kv_int2_cpu_{_host_tag()}" + ("_scalar" if scalar else "")
+    return load_inline(name=name, cpp_sources=[_SOURCE], functions=_FUNCTIONS,
                        extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        verbose=bool(os.environ.get("VLM_KV_VERBOSE_BUILD")))
 

@@ -188,3 +188,10 @@ def test_a_slow_build_says_so_and_a_quick_load_stays_silent(monkeypatch, capsys)
     assert int2_cpu.load() == "module"
     time.sleep(0.1)  # past the notice's delay: a cancelled notice prints nothing
     assert capsys.readouterr().err == ""
+
+
+def test_the_build_is_named_for_this_cpu():
+    """-march=native builds are cached by name: the name carries the CPU's feature flags."""
+    tag = int2_cpu._host_tag()
+    assert len(tag) == 10 and tag == int2_cpu._host_tag()
+    assert int2_cpu.load().__name__.startswith(f"vlm_kv_int2_cpu_{tag}")
