@@ -31,6 +31,28 @@ def smollm2():
     return load_smollm2()
 
 
+@pytest.fixture
+def prefilled_tiered():
+    """A factory: (model, cache) after a 300-token prompt (batch rows left-padded by 6) through a
+    two-layer tiny ``family`` model into a tiered ``policy`` cache at budget 0.2 (snapkv with a
+    4-query window; dbtrimkv with the tiny model's gates)."""
+    import vlm_kv
+    from vlm_kv.config import CacheOptions
+    from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
+
+    def make(family, policy, tiers, batch, dtype):
+        model = tiny_model(family, dtype=dtype, num_layers=2)
+        inputs = tiny_inputs(model, batch_size=batch, num_images=0, text_len=300, left_pad=6)
+        extra = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else \
+            {"options": CacheOptions(scorer_kwargs={"window": 4})}
+        cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers=tiers, **extra)
+        with torch.no_grad():
+            model(**inputs, cache=cache)
+        return model, cache
+
+    return make
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say how many random cache scenarios the property test ran (hypothesis draws them)."""
     import sys

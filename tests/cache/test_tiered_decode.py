@@ -6,10 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-import vlm_kv
 from vlm_kv.attention import decode, reference
-from vlm_kv.config import CacheOptions
-from vlm_kv.testing import tiny_gates, tiny_inputs, tiny_model
 
 CASES = [
     ("llama", "snapkv", "int2", 2, torch.float32),
@@ -20,19 +17,9 @@ CASES = [
 ]
 
 
-def _prefilled(family, policy, tiers, batch, dtype):
-    model = tiny_model(family, dtype=dtype, num_layers=2)
-    inputs = tiny_inputs(model, batch_size=batch, num_images=0, text_len=300, left_pad=6)
-    extra = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {"options": CacheOptions(scorer_kwargs={"window": 4})}
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers=tiers, **extra)
-    with torch.no_grad():
-        model(**inputs, cache=cache)
-    return model, cache
-
-
 @pytest.mark.parametrize("family,policy,tiers,batch,dtype", CASES)
-def test_decode_over_both_tiers_matches_the_padded_reference(family, policy, tiers, batch, dtype):
-    model, cache = _prefilled(family, policy, tiers, batch, dtype)
+def test_decode_over_both_tiers_matches_the_padded_reference(family, policy, tiers, batch, dtype, prefilled_tiered):
+    model, cache = prefilled_tiered(family, policy, tiers, batch, dtype)
     gen = torch.Generator().manual_seed(0)
     for layer in cache.layers:
         store, tier = layer.store, layer.tier
@@ -49,8 +36,8 @@ def test_decode_over_both_tiers_matches_the_padded_reference(family, policy, tie
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_a_sequence_without_int2_windows_attends_its_fp_entries_only():
-    model, cache = _prefilled("llama", "snapkv", "int2", 2, torch.float32)
+def test_a_sequence_without_int2_windows_attends_its_fp_entries_only(prefilled_tiered):
+    model, cache = prefilled_tiered("llama", "snapkv", "int2", 2, torch.float32)
     layer = cache.layers[0]
     entries = layer.tier.rotated_entries()
     assert len(entries) == 2
@@ -64,8 +51,8 @@ def test_a_sequence_without_int2_windows_attends_its_fp_entries_only():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_unattended_slots_get_no_weight():
-    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+def test_unattended_slots_get_no_weight(prefilled_tiered):
+    model, cache = prefilled_tiered("llama", "snapkv", "int2", 1, torch.float32)
     layer = cache.layers[1]
     (entries,) = layer.tier.rotated_entries()
     query = torch.randn(1, model.config.num_attention_heads, 1, layer.store.head_dim)
@@ -86,10 +73,10 @@ def test_unattended_slots_get_no_weight():
     assert not torch.allclose(masked, base)  # dropping a slot does change the output
 
 
-def test_entries_are_grouped_by_kv_head_in_the_order_the_counts_give():
+def test_entries_are_grouped_by_kv_head_in_the_order_the_counts_give(prefilled_tiered):
     """Each query head attends only its own KV head's run of INT2 entries: moving one entry's
     keys to another head's run (by the counts) changes only that head's query heads."""
-    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+    model, cache = prefilled_tiered("llama", "snapkv", "int2", 1, torch.float32)
     layer = cache.layers[0]
     (entries,) = layer.tier.rotated_entries()
     h, g = layer.store.num_kv_heads, model.config.num_attention_heads // layer.store.num_kv_heads
@@ -108,8 +95,8 @@ def test_entries_are_grouped_by_kv_head_in_the_order_the_counts_give():
     assert moved[torch.arange(h) != 1].max() == 0
 
 
-def test_mismatched_head_counts_are_refused():
-    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+def test_mismatched_head_counts_are_refused(prefilled_tiered):
+    model, cache = prefilled_tiered("llama", "snapkv", "int2", 1, torch.float32)
     layer = cache.layers[0]
     (entries,) = layer.tier.rotated_entries()
     bad = dataclasses.replace(entries, head_counts=entries.head_counts[:-1])

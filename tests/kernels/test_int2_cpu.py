@@ -9,7 +9,7 @@ import vlm_kv
 from vlm_kv.attention import backend, decode
 from vlm_kv.config import CacheOptions
 from vlm_kv.kernels import int2_cpu
-from vlm_kv.testing import feed_tokens, random_tokens, tiny_gates, tiny_inputs, tiny_model
+from vlm_kv.testing import feed_tokens, random_tokens, tiny_gates, tiny_model
 
 CASES = [
     ("llama", "snapkv", "int2", 2, torch.float32),
@@ -28,21 +28,9 @@ def built():
         pytest.fail(str(err))
 
 
-def _prefilled(family, policy, tiers, batch, dtype, backend_name="auto"):
-    model = tiny_model(family, dtype=dtype, num_layers=2)
-    inputs = tiny_inputs(model, batch_size=batch, num_images=0, text_len=300, left_pad=6)
-    options = CacheOptions(attention_backend=backend_name,
-                           scorer_kwargs={} if policy == "dbtrimkv" else {"window": 4})
-    extra = {"gates": tiny_gates(model)} if policy == "dbtrimkv" else {}
-    cache = vlm_kv.make_cache(model, policy=policy, budget=0.2, tiers=tiers, options=options, **extra)
-    with torch.no_grad():
-        model(**inputs, cache=cache)
-    return model, cache
-
-
 @pytest.mark.parametrize("family,policy,tiers,batch,dtype", CASES)
-def test_the_kernel_equals_the_pytorch_path(family, policy, tiers, batch, dtype):
-    model, cache = _prefilled(family, policy, tiers, batch, dtype)
+def test_the_kernel_equals_the_pytorch_path(family, policy, tiers, batch, dtype, prefilled_tiered):
+    model, cache = prefilled_tiered(family, policy, tiers, batch, dtype)
     gen = torch.Generator().manual_seed(0)
     for layer in cache.layers:
         store, tier = layer.store, layer.tier
@@ -57,8 +45,8 @@ def test_the_kernel_equals_the_pytorch_path(family, policy, tiers, batch, dtype)
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_holes_and_invalid_tail_slots_get_no_weight():
-    model, cache = _prefilled("qwen2", "dbtrimkv", "int2", 2, torch.float32)
+def test_holes_and_invalid_tail_slots_get_no_weight(prefilled_tiered):
+    model, cache = prefilled_tiered("qwen2", "dbtrimkv", "int2", 2, torch.float32)
     layer = cache.layers[0]
     windows = layer.tier.packed_windows()
     w0 = windows[0]
@@ -92,8 +80,8 @@ def test_decoding_through_the_kernel_matches_the_pure_pytorch_backend():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
-def test_inconsistent_inputs_are_refused_by_name():
-    model, cache = _prefilled("llama", "snapkv", "int2", 1, torch.float32)
+def test_inconsistent_inputs_are_refused_by_name(prefilled_tiered):
+    model, cache = prefilled_tiered("llama", "snapkv", "int2", 1, torch.float32)
     layer = cache.layers[0]
     (w,) = layer.tier.packed_windows()
     bad = dataclasses.replace(w, head_windows=w.head_windows + 1)
