@@ -168,10 +168,6 @@ class RotatedEntries:
     def __len__(self) -> int:
         return self.keys.shape[0]
 
-    def values(self) -> torch.Tensor:
-        """[m, D] float32 values in the quantization basis (the expansion decode avoids)."""
-        return torch.addcmul(self.value_zero[:, None], self.value_codes, self.value_scale[:, None])
-
     def logits(self, rotated_query: torch.Tensor, group: int, scale: float) -> torch.Tensor:
         # the product runs over every head at once (one matrix product; the keys are read once
         # either way) and the other heads' entries are masked after, by slices
