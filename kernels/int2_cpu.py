@@ -11,7 +11,8 @@ values' quantization basis.
 
 It is the CPU counterpart of the Triton mixed-tier kernel, compiled on first use with
 ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja; about 25 s here, then cached
-by torch on disk) and checked against the PyTorch path (``tests/kernels/test_int2_cpu.py``).
+by torch on disk) and checked against the PyTorch path (``tests/cache/test_tiered_decode.py``) and a brute-force
+softmax (``tests/kernels/test_int2_cpu.py``).
 Where it cannot be built, ``load`` raises ``CpuKernelUnavailable`` with the reason and the runtime
 keeps the PyTorch path (``vlm_kv.attention.backend.AttentionPaths.cpu_int2_decode``).
 """

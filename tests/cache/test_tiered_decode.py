@@ -1,24 +1,27 @@
 """A tiered layer's decode attention reads both tiers where they lie
 (``attention.decode.decode_attention_with_rotated``) and matches the padded reference
-(``attention.reference.rotated_tier_attention``)."""
+(``attention.reference.rotated_tier_attention``); the C++ kernel the CPU runs by default
+(``attention.backend.tiered_decode_attention_cpu``) matches that PyTorch path."""
 import dataclasses
 
 import pytest
 import torch
 
-from vlm_kv.attention import decode, reference
+from vlm_kv.attention import backend, decode, reference
 
 CASES = [
     ("llama", "snapkv", "int2", 2, torch.float32),
     ("qwen2", "dbtrimkv", "int2", 2, torch.float32),  # ragged FP body, INT2 windows with holes
     ("llama", "snapkv", {"basis": "channel"}, 1, torch.float32),  # no basis: keys and values as stored
     ("llama", "snapkv", {"fp_unit": "token"}, 2, torch.float32),
+    ("llama", "snapkv", {"key_grid": "fp16"}, 1, torch.float32),
     ("qwen2", "dbtrimkv", "int2", 2, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("family,policy,tiers,batch,dtype", CASES)
-def test_decode_over_both_tiers_matches_the_padded_reference(family, policy, tiers, batch, dtype, prefilled_tiered):
+def test_decode_over_both_tiers_matches_the_padded_reference_in_pytorch_and_in_the_kernel(
+        family, policy, tiers, batch, dtype, prefilled_tiered):
     model, cache = prefilled_tiered(family, policy, tiers, batch, dtype)
     gen = torch.Generator().manual_seed(0)
     for layer in cache.layers:
@@ -34,6 +37,10 @@ def test_decode_over_both_tiers_matches_the_padded_reference(family, policy, tie
         assert got.shape == want.shape and got.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        kernel = backend.tiered_decode_attention_cpu(query, store, tier.packed_windows(), tier.key_basis,
+                                                     tier.value_basis, layer.scaling)
+        assert kernel.shape == got.shape and kernel.dtype == dtype
+        torch.testing.assert_close(kernel.float(), got.float(), rtol=tol, atol=tol)
 
 
 def test_a_sequence_without_int2_windows_attends_its_fp_entries_only(prefilled_tiered):

@@ -109,9 +109,6 @@ class PackedWindows:
     head_windows: torch.Tensor
     holes: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return self.key_codes.shape[0] * self.key_codes.shape[1]
-
 
 def tiered_decode_attention_cpu(query: torch.Tensor, store: Any, windows: list[PackedWindows],
                                 key_basis: torch.Tensor | None, value_basis: torch.Tensor | None,

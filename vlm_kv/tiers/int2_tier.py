@@ -490,51 +490,50 @@ class Int2Tier:
         )
         return TierView(view, layout.slot)
 
+    def _decode_reads(self, what: str) -> tuple[slice | torch.Tensor, torch.Tensor | None,
+                                                list[tuple[slice, tuple[int, ...]]]]:
+        """What a decode step reads of the active windows (post-RoPE codes only): which ledger
+        entries (a slice when they lead the ledger in layout order, as ``rebuild`` keeps them, else
+        their indices), their holes [n, w] (None when there are none) and per sequence (its windows
+        among those, its windows per KV head)."""
+        if self.rope is not None:
+            raise ValueError(f"{what} need post-RoPE codes: pre-RoPE keys must be rotated back per position")
+        layout = self._layout()
+        take = slice(0, self.num_active) if layout.prefix else layout.idx
+        holes = None if layout.full else self.positions[take] < 0
+        spans, start = [], 0
+        for count, per_head in zip(layout.windows_per_sequence, layout.windows_per_head):
+            spans.append((slice(start, start + count), per_head))  # ordered by row: by sequence, then head
+            start += count
+        return take, holes, spans
+
     def rotated_entries(self) -> list[RotatedEntries]:
         """Per sequence, its active windows flat, grouped by KV head and left in their quantization
-        basis (post-RoPE codes only): keys dequantized, values as codes and grid, for
-        ``attention.decode.decode_attention_with_rotated``. The ledger keeps its active windows
-        first and in layout order (``rebuild``), so this reads slices, not gathers."""
-        if self.rope is not None:
-            raise ValueError("rotated entries need post-RoPE codes: pre-RoPE keys must be rotated back per position")
-        layout = self._layout()
+        basis: keys dequantized, values as codes and grid, for
+        ``attention.decode.decode_attention_with_rotated``. Slices of the ledger, not gathers."""
+        take, holes, spans = self._decode_reads("rotated entries")
         c, w, d = self.codes, self.window, self.head_dim
-        take = slice(0, self.num_active) if layout.prefix else layout.idx
-        keys = dequantize_keys(c.key_codes[take], *c.key_grid(take)).view(-1, d)
-        value_codes = unpack_int2_float(c.value_codes[take]).view(-1, d)
-        value_scale = c.value_scale[take].reshape(-1).float()
-        value_zero = c.value_zero[take].reshape(-1).float()
-        holes = None if layout.full else (self.positions[take] < 0).reshape(-1)
-        out, start = [], 0
-        for count, per_head in zip(layout.windows_per_sequence, layout.windows_per_head):
-            span = slice(start * w, (start + count) * w)  # idx is ordered by row, so by sequence, then head
-            out.append(RotatedEntries(keys[span], value_codes[span], value_scale[span], value_zero[span],
-                                      tuple(n * w for n in per_head), None if holes is None else holes[span]))
-            start += count
-        return out
+        keys = dequantize_keys(c.key_codes[take], *c.key_grid(take))
+        value_codes = unpack_int2_float(c.value_codes[take])
+        value_scale, value_zero = c.value_scale[take].float(), c.value_zero[take].float()
+        return [RotatedEntries(keys[span].reshape(-1, d), value_codes[span].reshape(-1, d),
+                               value_scale[span].reshape(-1), value_zero[span].reshape(-1),
+                               tuple(n * w for n in per_head), None if holes is None else holes[span].reshape(-1))
+                for span, per_head in spans]
 
     def packed_windows(self) -> list[PackedWindows]:
         """Per sequence, its active windows as stored (codes and grids), grouped by KV head, for the
-        CPU kernel (post-RoPE codes only). Slices of the ledger, as ``rotated_entries``; nothing is
-        decoded or expanded."""
-        if self.rope is not None:
-            raise ValueError("packed windows need post-RoPE codes: pre-RoPE keys must be rotated back per position")
-        if self._packed_cache is not None:
-            return self._packed_cache
-        layout = self._layout()
-        c = self.codes
-        take = slice(0, self.num_active) if layout.prefix else layout.idx
-        parts = (c.key_codes[take], c.key_scale[take], c.key_zero[take], c.key_ref[take], c.value_codes[take],
-                 c.value_scale[take], c.value_zero[take])
-        holes = None if layout.full else self.positions[take] < 0
-        out, start = [], 0
-        for count, per_head in zip(layout.windows_per_sequence, layout.windows_per_head):
-            span = slice(start, start + count)
-            out.append(PackedWindows(*(t[span] for t in parts), head_windows=torch.tensor(per_head, dtype=torch.long),
-                                     holes=None if holes is None else holes[span]))
-            start += count
-        self._packed_cache = out
-        return out
+        CPU kernel; nothing is decoded or expanded. Kept until the layout changes."""
+        if self._packed_cache is None:
+            take, holes, spans = self._decode_reads("packed windows")
+            c = self.codes
+            parts = (c.key_codes[take], c.key_scale[take], c.key_zero[take], c.key_ref[take], c.value_codes[take],
+                     c.value_scale[take], c.value_zero[take])
+            self._packed_cache = [
+                PackedWindows(*(t[span] for t in parts), head_windows=torch.tensor(per_head, dtype=torch.long),
+                              holes=None if holes is None else holes[span])
+                for span, per_head in spans]
+        return self._packed_cache
 
     def add_state(self, name: str, padded: torch.Tensor, slot: torch.Tensor) -> None:
         """Add a [B, H, Lq] quantity laid out like ``view`` (``slot`` from that view) to the entries' state."""
