@@ -25,7 +25,10 @@ Planted facts (``FactsMix``, ``--facts-share``): a share of the text samples bec
 sample's text, cut to leave room, holds a few planted facts (codes, names, dates, lists) and is
 followed by one question a turn, each answered, so the distillation loss (every next token)
 covers answers that only a cache which kept the fact can give (``vlm_kv.eval.planted_facts``).
-Which samples, and their facts, are a function of the seed and the sample number.
+Which samples, and their facts, are a function of the seed and the sample number. With facts
+on, every sample also carries ``answer_mask`` ([1, T] bool, on the label positions whose next
+token belongs to an answer turn), so the loop can weigh those few tokens up
+(``TrainConfig.answer_weight``); they are ~2% of a 1024-token chat.
 
 Order: sample ``k`` of the stream is ``perm(epoch)[k % n]`` with ``epoch = k // n`` and
 ``perm(e)`` a permutation drawn from ``seed + e``. The data position is the single integer
@@ -48,6 +51,8 @@ from vlm_kv.eval.planted_facts import FACT_KINDS, facts_chat
 from vlm_kv.models.vision_inputs import is_qwen_vl_processor, qwen_vision_info
 
 IGNORE = -100
+#: tokens kept free in a planted-fact chat for what re-tokenizing the text around the facts adds
+ROOM_SLACK = 16
 
 
 @dataclass
@@ -157,8 +162,6 @@ class FactsMix:
     share: float
     per_sample: int = 3
     kinds: tuple[str, ...] = FACT_KINDS
-    #: tokens each question and answer turn may take; the text is cut to leave this room
-    turn_tokens: int = 40
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.share <= 1.0:
@@ -308,8 +311,10 @@ class TrainingData:
         n = len(self.samples)
         kind, idx = self.samples[self._order(k // n)[k % n]]
         rng = random.Random(f"{self.seed}/facts/{k}")
+        answers = None
         if kind == "text" and self.facts is not None and rng.random() < self.facts.share:
-            ids = self._facts_sample(self.chunks[idx], rng)[None]
+            ids, answers = self._facts_sample(self.chunks[idx], rng)
+            ids, answers = ids[None], answers[None]
             enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         elif kind == "text":
             ids = self.chunks[idx][None]
@@ -318,22 +323,40 @@ class TrainingData:
             enc = self._render(self.conversations[idx])
             enc.setdefault("attention_mask", torch.ones_like(enc["input_ids"]))
         enc["labels"] = self._labels(enc["input_ids"])
+        if self.facts is not None:  # every sample of a facts stream has the key, so batches collate
+            enc["answer_mask"] = answers if answers is not None else torch.zeros_like(enc["labels"], dtype=torch.bool)
         return enc
 
-    def _facts_sample(self, chunk: torch.Tensor, rng: random.Random) -> torch.Tensor:
-        """A chat of ``chunk``'s text with planted facts and their questions, at most max_length tokens."""
+    def _facts_sample(self, chunk: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chat of ``chunk``'s text with planted facts and their questions, at most max_length
+        tokens, and the mask of label positions that predict an answer's tokens."""
         mix = self.facts
-        room = self.max_length - mix.per_sample * (mix.turn_tokens + 30) - 80  # facts, questions, template
+        state = rng.getstate()  # the same facts with an empty text: what the chat costs besides the text
+        overhead = len(self._chat_ids(facts_chat("", rng, mix.per_sample, mix.kinds), add_generation_prompt=False))
+        rng.setstate(state)
+        room = self.max_length - overhead - ROOM_SLACK
         if room < 32:
             raise ValueError(f"max_length {self.max_length} leaves no room for a text with {mix.per_sample} "
-                             "planted facts and their questions; raise max_length or lower --facts-per-sample")
+                             f"planted facts and their questions ({overhead} tokens); raise max_length or lower "
+                             "--facts-per-sample")
         doc = self.tokenizer.decode(chunk[:room], skip_special_tokens=True)
         messages = facts_chat(doc, rng, mix.per_sample, mix.kinds)
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
-                                                 add_generation_prompt=False)["input_ids"][0]
+        ids = self._chat_ids(messages, add_generation_prompt=False)
         if len(ids) > self.max_length:  # fail closed: a cut chat would drop the answers it is for
             raise ValueError(f"a planted-fact chat took {len(ids)} tokens, over max_length {self.max_length}")
-        return ids
+        answers = torch.zeros(len(ids), dtype=torch.bool)
+        for turn in range(3, len(messages), 2):  # the answer turns (0: document, 1: acknowledgement)
+            start = len(self._chat_ids(messages[:turn], add_generation_prompt=True))
+            stop = len(self._chat_ids(messages[: turn + 1], add_generation_prompt=False))
+            if not (0 < start < stop <= len(ids)) or not (ids[:stop] == self._chat_ids(messages[: turn + 1], False)).all():
+                raise ValueError("the chat template does not render a chat as the concatenation of its turns; "
+                                 "answer tokens cannot be located")
+            answers[start - 1: stop - 1] = True  # label position t predicts token t + 1
+        return ids, answers
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> torch.Tensor:
+        return self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                                  add_generation_prompt=add_generation_prompt)["input_ids"][0]
 
     def _labels(self, ids: torch.Tensor) -> torch.Tensor:
         """Next-token targets aligned with the inputs: labels[:, t] = ids[:, t+1]; the last
@@ -375,7 +398,7 @@ def _runs(row: list[int], ids: set):
             i += 1
 
 
-SEQ_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+SEQ_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids", "answer_mask")
 
 
 def collate(samples: list[dict], pad_id: int = 0) -> dict:

@@ -98,6 +98,9 @@ class TrainConfig:
     progress: bool = True
     facts_share: float = 0.0        # share of text samples turned into planted-fact chats (train/data.py)
     facts_per_sample: int = 3
+    # weight of the distillation loss averaged over answer tokens only, added to the loss over all
+    # tokens: answers are ~2% of a facts chat, so in the plain average a dropped fact barely counts
+    answer_weight: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -127,6 +130,9 @@ def resolved_min_lr(cfg: TrainConfig) -> float:
 def check_data(cfg: TrainConfig) -> None:
     """Every training file exists and holds something: checked before the model loads."""
     FactsMix(cfg.facts_share, cfg.facts_per_sample)  # range checks
+    if cfg.answer_weight < 0 or (cfg.answer_weight > 0 and cfg.facts_share == 0):
+        raise ValueError(f"answer_weight {cfg.answer_weight} needs to be >= 0, and > 0 only with a facts share "
+                         "(the answers are those of the planted-fact chats)")
     for path in cfg.data:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"training data file not found: {path}")
@@ -207,6 +213,7 @@ def _training_info(cfg: TrainConfig) -> dict:
         "kind": cfg.kind, "coupled": cfg.coupled, "width": cfg.width, "init_bias": cfg.init_bias,
         "init_gates": cfg.init_gates,
         "capacity": "exact O(T^2) double sum" if cfg.exact_capacity else "O(T) rate-grid scan, grid step 0.25",
+        "facts_share": cfg.facts_share, "facts_per_sample": cfg.facts_per_sample, "answer_weight": cfg.answer_weight,
     }
 
 
@@ -304,12 +311,13 @@ def train_gates(config: TrainConfig | dict) -> dict:
     gate_params = [p for p in gates.parameters()]
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        sums = torch.zeros(5, device=device)  # loss, kl, ce, cap, tokens
+        sums = torch.zeros(6, device=device)  # loss, kl, ce, cap, answer kl, tokens
         live_sum = None
         fraction = sampled_budget(cfg, step)
         for micro in range(cfg.grad_accum):
             batch = {k: v.to(device) for k, v in data.next_batch(cfg.batch_size, rank, world).items()}
             labels = batch.pop("labels")
+            answer_mask = batch.pop("answer_mask", None)
             sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(student)
             with sync, accelerator.autocast():
                 with torch.no_grad():
@@ -321,8 +329,12 @@ def train_gates(config: TrainConfig | dict) -> dict:
                 cap, live = capacity_loss(log_betas, budget, cfg.global_budget, valid=valid,
                                           exact=cfg.exact_capacity)
                 loss = 0.5 * (kl + ce) + cfg.lambda_cap * cap
+                answer_kl = torch.zeros((), device=device)
+                if answer_mask is not None and answer_mask.any():
+                    answer_kl, answer_ce = distill_losses(logits, teacher, labels.masked_fill(~answer_mask, -100))
+                    loss = loss + cfg.answer_weight * 0.5 * (answer_kl + answer_ce)
                 accelerator.backward(loss / cfg.grad_accum)
-            sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), cap.detach(),
+            sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), cap.detach(), answer_kl.detach(),
                                  batch["attention_mask"].sum().float()])
             live_sum = live if live_sum is None else live_sum + live
         if cfg.grad_clip:
@@ -331,17 +343,17 @@ def train_gates(config: TrainConfig | dict) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        stats = accelerator.reduce(sums / torch.tensor([cfg.grad_accum] * 4 + [1.0], device=device), "mean")
+        stats = accelerator.reduce(sums / torch.tensor([cfg.grad_accum] * 5 + [1.0], device=device), "mean")
         live_mean = accelerator.reduce(live_sum / cfg.grad_accum, "mean")
         dt = time.perf_counter() - t0
         times.append(dt)
         done = step + 1
         metrics = {
             "step": done, "loss": stats[0].item(), "kl": stats[1].item(), "ce": stats[2].item(),
-            "cap": stats[3].item(), "live": live_mean.mean().item(), "budget": fraction,
+            "cap": stats[3].item(), "answer_kl": stats[4].item(), "live": live_mean.mean().item(), "budget": fraction,
             "live_per_head": [[round(x, 5) for x in row] for row in live_mean.tolist()],
             "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if cfg.grad_clip else None,
-            "tokens": int(stats[4].item() * world), "sec": round(dt, 4), "data_position": data.position,
+            "tokens": int(stats[5].item() * world), "sec": round(dt, 4), "data_position": data.position,
         }
         if accelerator.is_main_process:
             with open(metrics_path, "a") as fh:

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from vlm_kv.eval.planted_facts import FACT_KINDS, READ_REPLY, draw_fact, facts_chat, insert_at_depth
 from vlm_kv.train.data import FactsMix, TrainingData
@@ -59,3 +60,19 @@ def test_bad_mixes_are_refused(tokenizer, text_file):
         FactsMix(1.5)
     with pytest.raises(ValueError, match="no room"):
         TrainingData([text_file], tokenizer, 128, facts=FactsMix(1.0, per_sample=3)).sample(0)
+
+
+def test_answer_mask_marks_exactly_the_answer_tokens(tokenizer, text_file):
+    data = TrainingData([text_file], tokenizer, 512, seed=3, facts=FactsMix(1.0, per_sample=3))
+    sample = data.sample(0)
+    ids, labels, mask = sample["input_ids"][0], sample["labels"][0], sample["answer_mask"][0]
+    assert mask.dtype == torch.bool and mask.shape == labels.shape
+    marked = tokenizer.decode(labels[mask & (labels != -100)])
+    chat = tokenizer.decode(ids)
+    answers = [turn.split("\n", 1)[1].split("<|im_end|>")[0] for turn in chat.split("<|im_start|>assistant")[2:]]
+    assert len(answers) == 3 and all(a and a in marked for a in answers)
+    assert "?" not in marked and READ_REPLY not in marked  # no question, no acknowledgement
+    plain = TrainingData([text_file], tokenizer, 512, seed=3, facts=FactsMix(0.5, per_sample=2))
+    texts = [plain.sample(k) for k in range(12)]
+    assert all("answer_mask" in s for s in texts)  # every sample of a facts stream has the key
+    assert any(not s["answer_mask"].any() for s in texts) and any(s["answer_mask"].any() for s in texts)

@@ -265,3 +265,25 @@ def test_loop_capacity_target_follows_each_steps_sampled_budget(tmp_path, monkey
         assert line["budget"] == fraction and global_budget is True
         torch.testing.assert_close(m, fraction * n_valid.float())
     assert len({round(float(m[0]), 6) for m, _, _ in seen}) == 3  # a new target every step
+
+
+def test_answer_weight_weighs_the_fact_answers_and_needs_facts(tmp_path):
+    model, proc, text = _text_setup(tmp_path)
+    with pytest.raises(ValueError, match="only with a facts share"):
+        train_gates(_cfg(model, proc, text, tmp_path / "x", answer_weight=1.0))
+    runs = {}
+    for weight in (0.0, 5.0):
+        torch.manual_seed(0)
+        out = tmp_path / f"w{weight}"
+        train_gates(_cfg(model, proc, text, out, max_length=640, steps=2, facts_share=1.0, facts_per_sample=2,
+                         answer_weight=weight))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[weight] = (rows, load_gates(str(out)))
+    rows0, gates0 = runs[0.0]
+    rows5, gates5 = runs[5.0]
+    assert all(r["answer_kl"] > 0 for r in rows0 + rows5)  # the answers are measured either way
+    assert rows0[0]["kl"] == pytest.approx(rows5[0]["kl"])  # same first batch, same start
+    assert rows5[0]["loss"] > rows0[0]["loss"]  # the answer term is added
+    assert gates5.config.training["answer_weight"] == 5.0 and gates5.config.training["facts_share"] == 1.0
+    differs = [not torch.equal(a, b) for a, b in zip(gates0.state_dict().values(), gates5.state_dict().values())]
+    assert any(differs)  # and it moves the gates
