@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from vlm_kv.eval.planted_facts import FACT_KINDS
 from vlm_kv.train.loop import TrainConfig, train_gates
 
 
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the text samples turned into chats with planted facts (codes, names, dates, "
                         "lists) asked for in later turns: trains the gates to keep what will be asked")
     p.add_argument("--facts-per-sample", type=int, default=3, help="planted facts (and questions) per such chat")
+    p.add_argument("--facts-kinds", type=lambda t: tuple(x for x in t.split(",") if x), default=FACT_KINDS,
+                   help=f"comma-separated kinds of planted facts, from {','.join(FACT_KINDS)} (default all)")
     p.add_argument("--answer-weight", type=float, default=0.0,
                    help="extra weight of the distillation loss on the planted facts' answer tokens (needs --facts-share)")
     p.add_argument("--no-progress", action="store_true")
@@ -76,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         save_every=args.save_every, seed=args.seed, kind=args.kind, coupled=not args.uncoupled,
         width=args.width, init_bias=args.init_bias, lambda_cap=args.lambda_cap, stop_at=args.stop_at,
         progress=not args.no_progress, facts_share=args.facts_share, facts_per_sample=args.facts_per_sample,
-        answer_weight=args.answer_weight,
+        facts_kinds=args.facts_kinds, answer_weight=args.answer_weight,
     )
 
 

@@ -57,6 +57,7 @@ from vlm_kv.api import attach
 from vlm_kv.gates.io import load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
 from vlm_kv.models.named import load_model_and_processor
+from vlm_kv.eval.planted_facts import FACT_KINDS
 from vlm_kv.train.data import FactsMix, TrainingData
 from vlm_kv.train.losses import budget_from_fraction, capacity_loss, distill_losses
 from vlm_kv.train.soft_retention import SoftRetention
@@ -98,6 +99,7 @@ class TrainConfig:
     progress: bool = True
     facts_share: float = 0.0        # share of text samples turned into planted-fact chats (train/data.py)
     facts_per_sample: int = 3
+    facts_kinds: tuple[str, ...] = FACT_KINDS  # which kinds are planted (hold one out to test transfer)
     # weight of the distillation loss averaged over answer tokens only, added to the loss over all
     # tokens: answers are ~2% of a facts chat, so in the plain average a dropped fact barely counts
     answer_weight: float = 0.0
@@ -129,7 +131,7 @@ def resolved_min_lr(cfg: TrainConfig) -> float:
 
 def check_data(cfg: TrainConfig) -> None:
     """Every training file exists and holds something: checked before the model loads."""
-    FactsMix(cfg.facts_share, cfg.facts_per_sample)  # range checks
+    FactsMix(cfg.facts_share, cfg.facts_per_sample, tuple(cfg.facts_kinds))  # range checks
     if cfg.answer_weight < 0 or (cfg.answer_weight > 0 and cfg.facts_share == 0):
         raise ValueError(f"answer_weight {cfg.answer_weight} needs to be >= 0, and > 0 only with a facts share "
                          "(the answers are those of the planted-fact chats)")
@@ -213,7 +215,8 @@ def _training_info(cfg: TrainConfig) -> dict:
         "kind": cfg.kind, "coupled": cfg.coupled, "width": cfg.width, "init_bias": cfg.init_bias,
         "init_gates": cfg.init_gates,
         "capacity": "exact O(T^2) double sum" if cfg.exact_capacity else "O(T) rate-grid scan, grid step 0.25",
-        "facts_share": cfg.facts_share, "facts_per_sample": cfg.facts_per_sample, "answer_weight": cfg.answer_weight,
+        "facts_share": cfg.facts_share, "facts_per_sample": cfg.facts_per_sample,
+        "facts_kinds": list(cfg.facts_kinds), "answer_weight": cfg.answer_weight,
     }
 
 
@@ -256,7 +259,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg))
     student, optimizer = accelerator.prepare(student, optimizer)
 
-    facts = FactsMix(cfg.facts_share, cfg.facts_per_sample) if cfg.facts_share > 0 else None
+    facts = FactsMix(cfg.facts_share, cfg.facts_per_sample, tuple(cfg.facts_kinds)) if cfg.facts_share > 0 else None
     data = TrainingData(cfg.data, processor, cfg.max_length, seed=cfg.seed,
                         image_token_id=adapter.image_token_id, video_token_id=adapter.video_token_id, facts=facts)
 

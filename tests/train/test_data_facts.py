@@ -76,3 +76,12 @@ def test_answer_mask_marks_exactly_the_answer_tokens(tokenizer, text_file):
     texts = [plain.sample(k) for k in range(12)]
     assert all("answer_mask" in s for s in texts)  # every sample of a facts stream has the key
     assert any(not s["answer_mask"].any() for s in texts) and any(s["answer_mask"].any() for s in texts)
+
+
+def test_a_held_out_fact_kind_is_never_planted(tokenizer, text_file):
+    data = TrainingData([text_file], tokenizer, 512, seed=5, facts=FactsMix(1.0, 3, kinds=("name", "date", "list")))
+    chats = [tokenizer.decode(data.sample(k)["input_ids"][0]) for k in range(6)]
+    assert all("keeper" in c or "made on" in c or "holds" in c for c in chats)
+    assert not any("secret code" in c for c in chats)
+    with pytest.raises(ValueError, match="fact kinds must be"):
+        FactsMix(0.5, kinds=("name", "colour"))

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Retrieval-aware gate fine-tuning and its ablation (issue 26). Each run starts from the shipped
+# SmolLM2 gates and trains 60 more steps at 1024 tokens on pg1342 (never the held-out pg84);
+# rerun the same command to resume. One thread, so an evaluation can use the other core.
+# The planted facts are names, dates and lists, never codes: the retrieval tables ask for a code,
+# so every retrieval number measures a kind of fact the gates never saw in training.
+#   facts-aw1: half the samples are planted-fact chats, answer tokens weighed up (--answer-weight 1)
+#   facts-aw0: the same chats, plain distillation average (answers ~2% of a chat's tokens)
+#   plain:     no facts: what 60 more steps buy by themselves
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${RUNS:-runs/gates_facts}
+ONLY=${ONLY:-facts-aw1 plain facts-aw0}
+for name in $ONLY; do
+  case $name in
+    facts-aw1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 1" ;;
+    facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
+    plain) extra="" ;;
+    *) echo "unknown run $name" >&2; exit 2 ;;
+  esac
+  OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
+    --data ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 --max-length 1024 \
+    --steps 60 --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
+    --init-gates gates/pretrained/smollm2-135m-dbtrimkv $extra --out "$RUNS/$name" --resume --no-progress
+done
