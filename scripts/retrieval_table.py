@@ -1,8 +1,11 @@
 """The retrieval tables of docs/retrieval/: relative accuracy per cache, budget and question placement.
 
     python scripts/retrieval_table.py docs/retrieval      # writes table.md, table.csv and relative_accuracy.png there
+    python scripts/retrieval_table.py docs/retrieval/val  # the validation sweeps that chose the gates
 
-Reads every ``*/sweep_retrieval.json`` below the folder (one sweep per dtype / tiering / --ask).
+Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below the folder (one sweep
+per dtype / tiering / --ask / gate set), except the ``val`` folder's (the validation passage).
+A sweep with other gates than the shipped ones is labelled with its gates folder's name.
 A cell's interval is the 95 % Wilson interval of its accuracy over its trials, divided by the
 full cache's accuracy on the same trials.
 """
@@ -21,6 +24,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+SHIPPED = "smollm2-135m-dbtrimkv"
+
+
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return (0.0, 1.0)
@@ -32,12 +38,17 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def rows(folder: Path) -> list[dict]:
     out = []
-    for path in sorted(folder.glob("*/sweep_retrieval.json")):
+    paths = sorted(folder.glob("*/sweep_retrieval.json")) + sorted(folder.glob("*/*/sweep_retrieval.json"))
+    for path in paths:
+        if path.relative_to(folder).parts[0] == "val":
+            continue
         state = json.loads(path.read_text())
         settings = state["settings"]
         dtype = "bfloat16" if "bfloat16" in str(settings.get("model")) else "float32"
         tiers = (settings.get("cache_kwargs") or {}).get("tiers")
         ask = settings.get("ask", "prompt")
+        gates = (settings.get("cache_kwargs") or {}).get("gates")
+        gates = f" [{Path(gates).name}]" if gates and Path(gates).name != SHIPPED else ""
         for r in state["rows"]:
             if r.get("error") or r.get("accuracy") is None:
                 continue
@@ -45,11 +56,11 @@ def rows(folder: Path) -> list[dict]:
             hits = sum(1 for x in r["records"] if x["correct"])
             full = r["full_accuracy"] or float("nan")
             lo, hi = wilson(hits, n)
-            cache = f"{r['policy']}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
+            cache = f"{r['policy']}{gates}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
             out.append({"cache": cache, "ask": ask, "budget": r["budget"], "n": n, "accuracy": r["accuracy"],
                         "full_accuracy": r["full_accuracy"], "relative": r["accuracy"] / full,
                         "relative_lo": lo / full, "relative_hi": hi / full, "kv_fraction": r["max_kv_bytes_after_eviction"] / r["full_kv_bytes_at_end"],
-                        "run": path.parent.name})
+                        "run": str(path.parent.relative_to(folder))})
     return out
 
 
