@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The KL side of issue 26: the pg84 fidelity cells (2048-token context, 128 continuation tokens,
 # dbtrimkv + tiers, bf16, budgets 0.05 / 0.1 / 0.25) for the shipped gates and each candidate, in
-# one command so before and after run the same way. Usage: kl_check.sh NAME=GATES_DIR ...
+# one command so before and after run the same way, on the four pg84 passages of docs/tiers.md.
+# Usage: kl_check.sh NAME=GATES_DIR ...
 # Appends to docs/retrieval/kl_check_pg84.jsonl (finished cells are skipped).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,5 +12,7 @@ for spec in shipped=gates/pretrained/smollm2-135m-dbtrimkv "$@"; do
   name=${spec%%=*}; dir=${spec#*=}
   for b in 0.05 0.1 0.25; do cells="$cells --cell $name:dbtrimkv:$b:tiers=int2,gates=$dir"; done
 done
-python -m vlm_kv.eval.gate_cells --model smollm2 --dtype bfloat16 --text ../shared/data/text/pg84.txt \
-  --offset 100000 --context 2048 --continuation 128 --out docs/retrieval/kl_check_pg84.jsonl $cells
+for off in ${OFFSETS:-100000 175000 250000 325000}; do
+  python -m vlm_kv.eval.gate_cells --model smollm2 --dtype bfloat16 --text ../shared/data/text/pg84.txt \
+    --offset $off --context 2048 --continuation 128 --out docs/retrieval/kl_check_pg84.jsonl $cells
+done
