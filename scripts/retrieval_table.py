@@ -5,7 +5,9 @@
 
 Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below the folder (one sweep
 per dtype / tiering / --ask / gate set), except the ``val`` folder's (the validation passage).
-A sweep with other gates than the shipped ones is labelled with its gates folder's name.
+Gated policies are labelled with their gate set: the folder name of ``--gates`` (``v4`` for the
+shipped ``smollm2-135m-dbtrimkv`` since 2026-12-03), or ``v3`` for sweeps that named none (they
+all ran before v4 shipped, on the default of the time, now ``smollm2-135m-dbtrimkv-v3``).
 A cell's interval is the 95 % Wilson interval of its accuracy over its trials, divided by the
 full cache's accuracy on the same trials.
 """
@@ -48,7 +50,7 @@ def rows(folder: Path) -> list[dict]:
         tiers = (settings.get("cache_kwargs") or {}).get("tiers")
         ask = settings.get("ask", "prompt")
         gates = (settings.get("cache_kwargs") or {}).get("gates")
-        gates = f" [{Path(gates).name}]" if gates and Path(gates).name != SHIPPED else ""
+        gate_set = "v3" if not gates else "v4" if Path(gates).name == SHIPPED else Path(gates).name
         for r in state["rows"]:
             if r.get("error") or r.get("accuracy") is None:
                 continue
@@ -56,7 +58,8 @@ def rows(folder: Path) -> list[dict]:
             hits = sum(1 for x in r["records"] if x["correct"])
             full = r["full_accuracy"] or float("nan")
             lo, hi = wilson(hits, n)
-            cache = f"{r['policy']}{gates}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
+            tag = f" [{gate_set}]" if "trimkv" in r["policy"] else ""
+            cache = f"{r['policy']}{tag}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
             out.append({"cache": cache, "ask": ask, "budget": r["budget"], "n": n, "accuracy": r["accuracy"],
                         "full_accuracy": r["full_accuracy"], "relative": r["accuracy"] / full,
                         "relative_lo": lo / full, "relative_hi": hi / full, "kv_fraction": r["max_kv_bytes_after_eviction"] / r["full_kv_bytes_at_end"],

@@ -6,14 +6,16 @@
 # so every retrieval number measures a kind of fact the gates never saw in training.
 #   facts-aw1: half the samples are planted-fact chats, answer tokens weighed up (--answer-weight 1)
 #   facts-aw0: the same chats, plain distillation average (answers ~2% of a chat's tokens)
+#   facts-aw3: as facts-aw1 with the answer tokens weighed 3x as much (--answer-weight 3)
 #   plain:     no facts: what 60 more steps buy by themselves
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
-ONLY=${ONLY:-facts-aw1 plain facts-aw0}
+ONLY=${ONLY:-facts-aw1 plain facts-aw0 facts-aw3}
 for name in $ONLY; do
   case $name in
     facts-aw1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 1" ;;
+    facts-aw3) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 3" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
@@ -21,5 +23,5 @@ for name in $ONLY; do
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
     --data ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 --max-length 1024 \
     --steps 60 --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
-    --init-gates gates/pretrained/smollm2-135m-dbtrimkv $extra --out "$RUNS/$name" --resume --no-progress
+    --init-gates gates/pretrained/smollm2-135m-dbtrimkv-v3 $extra --out "$RUNS/$name" --resume --no-progress
 done
