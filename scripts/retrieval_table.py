@@ -7,7 +7,7 @@ Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below th
 per dtype / tiering / --ask / gate set), except the ``val`` folder's (the validation passage).
 Gated policies are labelled with their gate set: the folder name of ``--gates`` (``v4`` for the
 shipped ``smollm2-135m-dbtrimkv`` since 2026-12-03), or ``v3`` for sweeps that named none (they
-all ran before v4 shipped, on the default of the time, now ``smollm2-135m-dbtrimkv-v3``).
+all ran before v4 shipped, on the default of the time: docs/retrieval/v3_gates.sh restores it).
 A cell's interval is the 95 % Wilson interval of its accuracy over its trials, divided by the
 full cache's accuracy on the same trials.
 """

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 cells=""
-for spec in v3=gates/pretrained/smollm2-135m-dbtrimkv-v3 "$@"; do
+for spec in v3=$(bash docs/retrieval/v3_gates.sh) "$@"; do
   name=${spec%%=*}; dir=${spec#*=}
   for b in 0.05 0.1 0.25; do cells="$cells --cell $name:dbtrimkv:$b:tiers=int2,gates=$dir"; done
 done

@@ -23,5 +23,5 @@ for name in $ONLY; do
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
     --data ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 --max-length 1024 \
     --steps 60 --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
-    --init-gates gates/pretrained/smollm2-135m-dbtrimkv-v3 $extra --out "$RUNS/$name" --resume --no-progress
+    --init-gates "$(bash docs/retrieval/v3_gates.sh)" $extra --out "$RUNS/$name" --resume --no-progress
 done
