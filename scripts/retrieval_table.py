@@ -50,7 +50,8 @@ def rows(folder: Path) -> list[dict]:
         tiers = (settings.get("cache_kwargs") or {}).get("tiers")
         ask = settings.get("ask", "prompt")
         gates = (settings.get("cache_kwargs") or {}).get("gates")
-        gate_set = "v3" if not gates else "v4" if Path(gates).name == SHIPPED else Path(gates).name
+        gate_set = ("v3" if not gates or "gates_v3" in gates else "v4" if Path(gates).name == SHIPPED
+                    else Path(gates).name)
         for r in state["rows"]:
             if r.get("error") or r.get("accuracy") is None:
                 continue
