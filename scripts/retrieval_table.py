@@ -92,9 +92,11 @@ def main() -> None:
                         marker="o", capsize=3, label=cache)
         ax.set(title=f"question asked {'in the prompt' if ask == 'prompt' else 'later, in a new turn'}",
                xlabel="budget (fraction of the full cache)", xscale="log", ylim=(-0.05, 1.1))
+        ax.set_xticks([0.05, 0.1, 0.25], ["0.05", "0.1", "0.25"])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")  # each panel has its own caches
     axes[0][0].set_ylabel("accuracy relative to the full cache")
-    axes[0][-1].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(folder / "relative_accuracy.png", dpi=120)
     print("\n".join(lines))
