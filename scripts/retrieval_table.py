@@ -5,11 +5,9 @@
 
 Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below the folder (one sweep
 per dtype / tiering / --ask / gate set), except the ``val`` folder's (the validation passage).
-Gated policies are labelled with their gate set: the folder name of ``--gates`` (``v4`` for the
-shipped ``smollm2-135m-dbtrimkv`` since 2026-12-03), or ``v3`` for sweeps that named none (they
-all ran before v4 shipped, on the default of the time: docs/retrieval/v3_gates.sh restores it).
-A cell's interval is the 95 % Wilson interval of its accuracy over its trials, divided by the
-full cache's accuracy on the same trials.
+Gated policies are labelled with their gate set: ``v3`` for the shipped gates (named or not; v3 has
+been the default since session 6) and for ``docs/retrieval/v3_gates.sh``'s copy, else the folder
+name of ``--gates`` (``facts-aw1``: the retrieval-aware fine-tune, not shipped).
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def rows(folder: Path) -> list[dict]:
         tiers = (settings.get("cache_kwargs") or {}).get("tiers")
         ask = settings.get("ask", "prompt")
         gates = (settings.get("cache_kwargs") or {}).get("gates")
-        gate_set = ("v3" if not gates or "gates_v3" in gates else "v4" if Path(gates).name == SHIPPED
-                    else Path(gates).name)
+        gate_set = "v3" if not gates or "gates_v3" in gates or Path(gates).name == SHIPPED else Path(gates).name
         for r in state["rows"]:
             if r.get("error") or r.get("accuracy") is None:
                 continue

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KL side of issue 26: the pg84 fidelity cells (2048-token context, 128 continuation tokens,
-# dbtrimkv + tiers, bf16, budgets 0.05 / 0.1 / 0.25) for the v3 gates (shipped until 2026-12-03) and each candidate, in
+# dbtrimkv + tiers, bf16, budgets 0.05 / 0.1 / 0.25) for the shipped v3 gates (from git, so a changed default cannot move the baseline) and each candidate, in
 # one command so before and after run the same way, on the four pg84 passages of docs/tiers.md.
 # Usage: kl_check.sh NAME=GATES_DIR ...
 # Appends to docs/retrieval/kl_check_pg84.jsonl (finished cells are skipped).

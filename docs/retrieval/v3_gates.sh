@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The v3 SmolLM2 gates (shipped until 2026-12-03, the start of the issue-26 fine-tunes) restored
-# from git into runs/gates_v3; prints their folder. The package holds only the shipped gates
-# (5 MB limit), so older gate sets live in the history.
+# The v3 SmolLM2 gates (shipped; the start of the issue-26 fine-tunes) restored from git into
+# runs/gates_v3, pinned to a commit, so that a later change of the shipped folder cannot move the
+# baseline of the KL check or the fine-tunes' start; prints their folder.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=runs/gates_v3/gates/pretrained/smollm2-135m-dbtrimkv
