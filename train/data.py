@@ -347,8 +347,9 @@ class TrainingData:
         answers = torch.zeros(len(ids), dtype=torch.bool)
         for turn in range(3, len(messages), 2):  # the answer turns (0: document, 1: acknowledgement)
             start = len(self._chat_ids(messages[:turn], add_generation_prompt=True))
-            stop = len(self._chat_ids(messages[: turn + 1], add_generation_prompt=False))
-            if not (0 < start < stop <= len(ids)) or not (ids[:stop] == self._chat_ids(messages[: turn + 1], False)).all():
+            upto = self._chat_ids(messages[: turn + 1], add_generation_prompt=False)
+            stop = len(upto)
+            if not (0 < start < stop <= len(ids)) or not torch.equal(ids[:stop], upto):
                 raise ValueError("the chat template does not render a chat as the concatenation of its turns; "
                                  "answer tokens cannot be located")
             answers[start - 1: stop - 1] = True  # label position t predicts token t + 1
