@@ -152,7 +152,7 @@ def main() -> None:
     notes = []
     try:
         AutoTokenizer.from_pretrained(model.config.name_or_path)
-    except Exception as e:  # GGUF folder has no tokenizer files
+    except (ImportError, OSError, ValueError) as e:  # the GGUF folder has no tokenizer files
         orig = kzp.AutoTokenizer.from_pretrained
 
         def _from_pretrained(name, *a, **kw):
