@@ -13,6 +13,7 @@ import argparse
 import json
 
 from vlm_kv.eval.retrieval import RetrievalSettings, _prompt_ids, build_trials
+
 from vlm_kv.models.smollm2 import load_smollm2
 
 

@@ -53,8 +53,9 @@ def paired_means(cells: dict, label: str, budget: float) -> tuple[float, float, 
 
 def main() -> None:
     cells = kl_cells()
-    lines = ["| gates | run | val. later fp32 0.05 / 0.1 / 0.25 | val. later tiered bf16 0.05 / 0.1 "
-             "| KL 0.05 | KL 0.1 | KL 0.25 | passages |", "|---|---|---|---|---|---|---|---|"]
+    header = ("| gates | run | val. later fp32 0.05 / 0.1 / 0.25 | val. later tiered bf16 0.05 / 0.1 "
+              "| KL 0.05 | KL 0.1 | KL 0.25 | passages |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for label, (folder, what) in SETS.items():
         fp = retrieval(ROOT / "val" / folder / "fp32")
         tq = retrieval(ROOT / "val" / folder / "bf16_tiered")

@@ -21,8 +21,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
+import matplotlib.pyplot as plt
 
 SHIPPED = "smollm2-135m-dbtrimkv"
 

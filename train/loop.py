@@ -52,15 +52,15 @@ import torch
 import torch.nn as nn
 from accelerate import Accelerator
 from tqdm.auto import tqdm
-
-from vlm_kv.api import attach
+from vlm_kv.eval.planted_facts import FACT_KINDS
 from vlm_kv.gates.io import load_gates, save_gates
 from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
-from vlm_kv.models.named import load_model_and_processor
-from vlm_kv.eval.planted_facts import FACT_KINDS
 from vlm_kv.train.data import FactsMix, TrainingData
 from vlm_kv.train.losses import budget_from_fraction, capacity_loss, distill_losses
 from vlm_kv.train.soft_retention import SoftRetention
+
+from vlm_kv.api import attach
+from vlm_kv.models.named import load_model_and_processor
 
 CKPT_DIR = "checkpoints"
 METRICS = "metrics.jsonl"
