@@ -36,6 +36,26 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def _detail(item, question, generated: str, ok: bool) -> dict:
+    """One question's record; for a code question, the 1-based images whose code the answer is."""
+    row = {"index": item.index, "kind": question.kind, "image": question.image_index + 1,
+           "images": len(item.scenes), "answer": question.answer, "generated": generated, "correct": ok}
+    if question.kind == "code":
+        row["code_of_images"] = [k + 1 for k, s in enumerate(item.scenes) if answer_matches(generated, s.code)]
+    return row
+
+
+def binding_summary(details: list[dict]) -> dict:
+    """Of the wrong code answers, how many are the code of another image in the context (the
+    model read an image, but not the one asked about), and how far that image is from the target."""
+    codes = [d for d in details if d["kind"] == "code"]
+    wrong = [d for d in codes if not d["correct"]]
+    other = [d for d in wrong if d["code_of_images"]]
+    offsets = [d["code_of_images"][0] - d["image"] for d in other]
+    return {"code_questions": len(codes), "code_correct": len(codes) - len(wrong), "code_wrong": len(wrong),
+            "wrong_is_another_images_code": len(other), "offsets_to_that_image": sorted(offsets)}
+
+
 def load(weights: str):
     model, processor = build_smollava()
     step = load_checkpoint_or_folder(model, weights)
@@ -50,6 +70,10 @@ def main() -> None:
     p.add_argument("--tasks", default="single", help="comma-separated: single, multi_image, multi_turn")
     p.add_argument("--images", default="real", help="comma-separated: real, noise")
     p.add_argument("--n-images", type=int, default=None, help="images per multi_image context (default: the task's 8-16)")
+    p.add_argument("--kinds", default=None, help="comma-separated question kinds (default: all): code, colour, shape, spatial")
+    p.add_argument("--details", action="store_true",
+                   help="also record every question: target image, answer, generated text and, for code "
+                        "questions, which image's code the generated text is (wrong-image answers)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.seed == 0:
@@ -61,6 +85,9 @@ def main() -> None:
             start = time.perf_counter()
             hits, questions, by_kind = [], [], {}
             extra = {"n_images": args.n_images} if args.n_images and task == "multi_image" else {}
+            if args.kinds:
+                extra["kinds"] = tuple(args.kinds.split(","))
+            details = []
             for i in tqdm(range(args.items), desc=f"{task} {images}", leave=False):
                 item = make_item(task, args.seed, i, images=images, **extra)
                 with torch.no_grad():
@@ -70,6 +97,8 @@ def main() -> None:
                     hits.append(ok)
                     questions.append(q)
                     by_kind.setdefault(q.kind, []).append(ok)
+                    if args.details:
+                        details.append(_detail(item, q, a, ok))
             n, k = len(hits), sum(hits)
             lo, hi = wilson(k, n)
             result["runs"].append({
@@ -78,6 +107,9 @@ def main() -> None:
                 "by_kind": {kind: sum(v) / len(v) for kind, v in sorted(by_kind.items())},
                 "seconds": round(time.perf_counter() - start, 1),
             })
+            if args.details:
+                result["runs"][-1]["binding"] = binding_summary(details)
+                result["runs"][-1]["details"] = details
             print(json.dumps(result["runs"][-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

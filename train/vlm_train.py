@@ -1,4 +1,5 @@
-"""``vlm-kv train-vlm``: train smollava's vision tower and projector; SmolLM2 stays frozen.
+"""``vlm-kv train-vlm``: train smollava's vision tower and projector; SmolLM2 stays frozen
+(optionally with low-rank adapters on its attention, ``lora_rank``, trained alongside).
 
 Two stages, one loop each (nanoGPT-style; the data of a step is a function of the step, so a
 resumed run sees exactly the data it would have seen):
@@ -51,11 +52,15 @@ from vlm_kv.eval.visual_tasks import (
     draw_scene,
     make_item,
 )
+from vlm_kv.models.lora import LoRADelta, LoRASpec, attach_lora, load_lora_state, lora_state
 from vlm_kv.models.smollava import (
+    LORA_FILE,
     WEIGHTS_FILE,
     build_smollava,
     load_trained_parts,
     pixel_values,
+    read_lora,
+    save_lora,
     save_trained_parts,
 )
 
@@ -87,6 +92,12 @@ class VLMTrainConfig:
     eval_every: int = setting(100, "stage-2 steps between held-out evaluations (0: only at the end)")
     eval_items: int = setting(24, "single-image items per evaluation")
     eval_seed: int = setting(1, "held-out data seed of those evaluations (training uses seed 0)")
+    eval_multi_items: int = setting(16, "8-image contexts (one question each) per evaluation (0: none)")
+    lora_rank: int = setting(0, "rank of low-rank adapters on the LM's attention projections, trained with the "
+                             "tower (0: the LM stays exactly SmolLM2)")
+    lora_alpha: float = setting(16.0, "adapter scale numerator (the update is alpha / rank * B A)")
+    lora_targets: str = setting("q_proj,k_proj,v_proj,o_proj", "comma-separated LM linear layers that get adapters")
+    lora_lr_mult: float = setting(5.0, "the adapters' learning rate as a multiple of the stage's rate")
     threads: int = setting(0, "torch threads (0: torch's default)")
     stop_at: int = setting(0, "stop after this many steps in all, checkpointed (0: run to the end)")
     stage1_weights: str = setting("", "start at the QA stage from these trained parts: a stage1/ folder, or a folder "
@@ -95,7 +106,8 @@ class VLMTrainConfig:
     progress: bool = setting(True, "show a progress bar")
 
     def validate(self) -> None:
-        for name in ("patch_steps", "qa_steps", "save_every", "eval_every", "threads", "stop_at", "negatives"):
+        for name in ("patch_steps", "qa_steps", "save_every", "eval_every", "threads", "stop_at", "negatives",
+                     "eval_multi_items", "lora_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("patch_batch", "qa_batch", "multi_every", "multi_questions", "eval_items"):
@@ -108,6 +120,17 @@ class VLMTrainConfig:
             raise ValueError(f"multi_questions ({self.multi_questions}) must be <= the fewest images ({lo})")
         if self.lm_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"lm_dtype must be bfloat16 or float32, got {self.lm_dtype!r}")
+        if self.lora_rank:
+            self.lora_spec  # noqa: B018 -- builds (and so checks) the spec
+            if self.lora_alpha <= 0 or self.lora_lr_mult <= 0:
+                raise ValueError("lora_alpha and lora_lr_mult must be > 0")
+
+    @property
+    def lora_spec(self) -> LoRASpec | None:
+        if not self.lora_rank:
+            return None
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return LoRASpec(rank=self.lora_rank, alpha=self.lora_alpha, targets=targets)
 
     @property
     def multi_range(self) -> tuple[int, int]:
@@ -211,16 +234,26 @@ def _trainable(model) -> list[torch.nn.Parameter]:
     return list(model.model.vision_tower.parameters()) + list(model.model.multi_modal_projector.parameters())
 
 
-def _optimizer(cfg: VLMTrainConfig, model, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW with the position embeddings in a group of their own at ``pos_lr_mult`` x the rate.
+def _adapter_params(adapters: dict[str, LoRADelta]) -> list[torch.nn.Parameter]:
+    return [p for delta in adapters.values() for p in (delta.A, delta.B)]
+
+
+def _optimizer(cfg: VLMTrainConfig, model, params: list[torch.nn.Parameter],
+               adapters: dict[str, LoRADelta] | None = None) -> torch.optim.Optimizer:
+    """AdamW with the position embeddings in a group of their own at ``pos_lr_mult`` x the rate,
+    and the LM's adapters (when trained) in a third at ``lora_lr_mult`` x.
 
     Why: a fresh tower's position embeddings have norm ~1 against ~7 for the patch embeddings;
     at one learning rate the words that depend on where an object is (its halves) stayed at
     chance for 300 stage-1 steps while every other word reached 100%; at 30x they rose to 71%
     within 40 steps (docs/smollava.md)."""
     pos = model.model.vision_tower.embeddings.position_embedding.weight
-    rest = [p for p in params if p is not pos]
+    lora = _adapter_params(adapters or {})
+    lora_ids = {id(p) for p in lora}
+    rest = [p for p in params if p is not pos and id(p) not in lora_ids]
     groups = [{"params": rest, "mult": 1.0}, {"params": [pos], "mult": cfg.pos_lr_mult}]
+    if lora:
+        groups.append({"params": lora, "mult": cfg.lora_lr_mult})
     return torch.optim.AdamW(groups, lr=cfg.patch_lr, betas=(0.9, 0.98), weight_decay=0.01)
 
 
@@ -263,7 +296,11 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         p.data = p.data.float()
         p.requires_grad_(True)
     targets = PatchTargets(tokenizer, model.get_input_embeddings().weight)
-    opt = _optimizer(cfg, model, params)
+    spec = cfg.lora_spec
+    # adapters on the frozen LM (float32 parameters; the product is added to the bf16 weights)
+    adapters = attach_lora(model.model.language_model, spec) if spec else {}
+    params = params + _adapter_params(adapters)
+    opt = _optimizer(cfg, model, params, adapters)
 
     done, stage_of = 0, "patch"
     rewarm_from = -1  # the step a fresh optimizer took over mid-schedule (warmed up again from there)
@@ -273,7 +310,8 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         model.load_state_dict(state["trainable"], strict=False)
         for p in params:
             p.data = p.data.float()
-        opt = _optimizer(cfg, model, params)
+        _restore_adapters(adapters, state.get("lora") or None, state.get("lora_spec"), spec, ckpt_path)
+        opt = _optimizer(cfg, model, params, adapters)
         opt.load_state_dict(state["optimizer"])
         done = state["done"]
         rewarm_from = int(state.get("rewarm_from", -1))
@@ -282,7 +320,10 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         # the QA stage's data is a function of the step, so trained parts and the step they were
         # saved at are all a run needs to continue (with a fresh optimizer: Adam's moments do not
         # travel, which costs a few steps of warm-up, see docs/smollava.md)
-        load_trained_parts(model, cfg.stage1_weights)
+        load_trained_parts(model, cfg.stage1_weights, with_lora=False)
+        saved = read_lora(cfg.stage1_weights)
+        if saved is not None:
+            _restore_adapters(adapters, saved[0], saved[1].to_dict(), spec, Path(cfg.stage1_weights))
         done = max(cfg.patch_steps, int(_card(cfg.stage1_weights).get("done", 0)))
         if done > cfg.patch_steps:
             rewarm_from = done
@@ -299,7 +340,7 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
             stage_of = "patch" if done < cfg.patch_steps else "qa"
             step = done if stage_of == "patch" else done - cfg.patch_steps
             if stage_of == "qa" and step == 0:  # stage 2 starts with a fresh optimizer
-                opt = _optimizer(cfg, model, params)
+                opt = _optimizer(cfg, model, params, adapters)
             rate = _lr(cfg, stage_of, step)
             if rewarm_from >= 0 and cfg.warmup:
                 # a fresh Adam's first updates are lr * sign(grad); ramp again rather than jump
@@ -341,15 +382,20 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
             if eval_now:
                 model.eval()
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lm_dtype == torch.bfloat16):
-                    last_eval = evaluate(model, tokenizer, "single", cfg.eval_seed, cfg.eval_items)
+                    last_eval = {"single": evaluate(model, tokenizer, "single", cfg.eval_seed, cfg.eval_items)}
+                    if cfg.eval_multi_items:
+                        last_eval["multi_image"] = evaluate(model, tokenizer, "multi_image", cfg.eval_seed,
+                                                            cfg.eval_multi_items, n_images=8)
                 model.train()
-                metrics.write(json.dumps({"step": done, "eval": last_eval}) + "\n")
+                for result in last_eval.values():
+                    metrics.write(json.dumps({"step": done, "eval": result}) + "\n")
                 metrics.flush()
             if done == cfg.patch_steps:
                 save_trained_parts(model, out / STAGE1)
             if done % cfg.save_every == 0 or done == end:
                 _save(ckpt_path, {"trainable": {k: v for k, v in model.state_dict().items()
                                                 if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))},
+                                  "lora": lora_state(adapters), "lora_spec": spec.to_dict() if spec else None,
                                   "optimizer": opt.state_dict(), "done": done, "stage": stage_of,
                                   "rewarm_from": rewarm_from,
                                   "config": dataclasses.asdict(cfg)})
@@ -358,9 +404,30 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
     model.eval()
     if done == cfg.total_steps:
         card = {"model": "smollava", "steps": {"patch": cfg.patch_steps, "qa": cfg.qa_steps},
-                "train_data_seed": TRAIN_SEED, "config": dataclasses.asdict(cfg), "last_eval": last_eval}
+                "train_data_seed": TRAIN_SEED, "config": dataclasses.asdict(cfg), "last_eval": last_eval,
+                "lora": spec.to_dict() if spec else None}
         save_trained_parts(model, out / "final", card)
+        if spec:
+            save_lora(out / "final", lora_state(adapters), spec)
     return last_eval
+
+
+def _restore_adapters(adapters: dict[str, LoRADelta], state: dict | None, saved_spec: dict | None,
+                      spec: LoRASpec | None, source: Path) -> None:
+    """Load saved adapters into the attached ones; the saved and configured specs must agree
+    (a run without adapters cannot silently continue one that had them, nor the reverse, except
+    that adapters may start fresh from a tower that never had any)."""
+    if state is None:
+        if spec is not None and source.name == CHECKPOINT:
+            raise ValueError(f"{source} was trained without LoRA adapters; resume it without --lora-rank, "
+                             "or start a new --out from an export (--stage1-weights)")
+        return
+    if spec is None:
+        raise ValueError(f"{source} holds LoRA adapters on the LM; pass the same --lora-rank / --lora-alpha / "
+                         "--lora-targets to continue it")
+    if LoRASpec.from_dict(saved_spec) != spec:
+        raise ValueError(f"{source}: its LoRA spec {saved_spec} differs from this run's {spec.to_dict()}")
+    load_lora_state(adapters, state)
 
 
 def _card(folder: str | os.PathLike) -> dict:
@@ -388,9 +455,14 @@ def export_checkpoint(run: str | os.PathLike, dest: str | os.PathLike) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in state["trainable"].items()}
     save_file(tensors, str(dest / WEIGHTS_FILE), metadata={"model": "smollava"})
+    if (dest / LORA_FILE).is_file() and not state.get("lora"):
+        (dest / LORA_FILE).unlink()  # an older export's adapters must not be merged into this tower
     card = {"model": "smollava", "done": done, "stage": state["stage"], "train_data_seed": TRAIN_SEED,
             "held_out_eval_seed": state["config"]["eval_seed"],
-            "steps_logged_seconds": round(seconds, 1), "evaluations": evals, "config": state["config"]}
+            "steps_logged_seconds": round(seconds, 1), "evaluations": evals, "config": state["config"],
+            "lora": state.get("lora_spec")}
+    if state.get("lora"):
+        save_lora(dest, state["lora"], LoRASpec.from_dict(state["lora_spec"]))
     (dest / "card.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
     return dest / WEIGHTS_FILE
 

@@ -8,6 +8,9 @@
 #   facts-aw0: the same chats, plain distillation average (answers ~2% of a chat's tokens)
 #   facts-aw3: as facts-aw1 with the answer tokens weighed 3x as much (--answer-weight 3)
 #   plain:     no facts: what 60 more steps buy by themselves
+# Session 16, after facts-aw1 missed the KL bound at 0.1 (+18 %): two runs between aw0 and aw1
+#   facts-aw05:     as facts-aw1 with the answer tokens at half the weight (--answer-weight 0.5)
+#   facts-s25-aw1:  as facts-aw1 with a quarter of the samples facts chats (--facts-share 0.25)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -16,6 +19,8 @@ for name in $ONLY; do
   case $name in
     facts-aw1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 1" ;;
     facts-aw3) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 3" ;;
+    facts-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
+    facts-s25-aw1) extra="--facts-share 0.25 --facts-kinds name,date,list --answer-weight 1" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
     *) echo "unknown run $name" >&2; exit 2 ;;

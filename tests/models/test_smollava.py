@@ -93,3 +93,33 @@ def test_pixel_values_refuses_other_sizes():
 
     with pytest.raises(ValueError, match="224"):
         S.pixel_values([Image.new("RGB", (100, 100))])
+
+
+def test_shipped_lora_is_merged_into_the_language_model_once(smollm2, tmp_path):
+    from vlm_kv.models.lora import LoRASpec, attach_lora, lora_state
+
+    lm, tokenizer = smollm2
+    trained, _ = S.build_smollava(lm, tokenizer)
+    spec = LoRASpec(rank=2, alpha=2.0, targets=("q_proj",))
+    adapters = attach_lora(trained.model.language_model, spec)
+    with torch.no_grad():
+        for delta in adapters.values():
+            delta.B.normal_(std=0.01)
+    S.save_trained_parts(trained, tmp_path)
+    S.save_lora(tmp_path, lora_state(adapters), spec)
+    ids = torch.tensor([[1, 504, 3458, 314, 253]])
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+    loaded, _ = S.build_smollava(lm, tokenizer)
+    S.load_trained_parts(loaded, tmp_path)
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert isinstance(loaded.model.language_model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    with pytest.raises(ValueError, match="already has LoRA"):
+        S.load_trained_parts(loaded, tmp_path)
+    plain, _ = S.build_smollava(lm, tokenizer)
+    S.load_trained_parts(plain, tmp_path, with_lora=False)
+    assert S.read_lora(tmp_path)[1] == spec
+    with torch.no_grad():
+        assert not torch.allclose(plain(input_ids=ids).logits, want, atol=1e-4)

@@ -29,7 +29,7 @@ def _tiny(tokenizer, seed=0):
 def _cfg(tmp_path, **kw):
     base = dict(out=str(tmp_path), patch_steps=2, patch_batch=2, qa_steps=2, qa_batch=2, multi_every=2,
                 multi_images="2,2", multi_questions=2, negatives=16, warmup=1, lm_dtype="float32", save_every=1,
-                eval_every=0, eval_items=1, progress=False)
+                eval_every=0, eval_items=1, eval_multi_items=0, progress=False)
     base.update(kw)
     return V.VLMTrainConfig(**base)
 
@@ -95,6 +95,8 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
 
 @pytest.mark.parametrize("bad, match", [(dict(multi_images="5,2"), "LO,HI"), (dict(multi_images="x"), "LO,HI"),
                                         (dict(qa_batch=0), "qa_batch"), (dict(lm_dtype="int8"), "lm_dtype"),
+                                        (dict(lora_rank=-1), "lora_rank"), (dict(lora_rank=2, lora_targets=","), "target"),
+                                        (dict(lora_rank=2, lora_alpha=0.0), "lora_alpha"),
                                         (dict(multi_questions=3, multi_images="2,4"), "multi_questions")])
 def test_config_is_checked(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
@@ -152,3 +154,51 @@ def test_a_fresh_optimizer_mid_schedule_warms_up_again_and_a_resume_keeps_that(t
     for step, got in lr.items():
         ramp = min(1.0, (step - 4) / 3)  # steps 5, 6 at 1/3, 2/3 of the schedule's rate, then all of it
         assert got == pytest.approx(V._lr(schedule, "qa", step - 1 - 2) * ramp)
+
+
+def _adapters(model):
+    return {n: m for n, m in model.model.language_model.named_modules() if getattr(m, "_lora_attached", False)}
+
+
+def test_lora_run_resumes_exports_and_ships_merged(tokenizer, tmp_path):
+    lora = dict(lora_rank=2, lora_targets="q_proj,v_proj", eval_multi_items=1)
+    model_a, proc_a = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "a", **lora), model_a, proc_a)
+    assert len(_adapters(model_a)) == 4  # two layers x q_proj, v_proj
+    model_b, proc_b = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "b", stop_at=3, **lora), model_b, proc_b)
+    model_c, proc_c = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "b", **lora), model_c, proc_c)  # resumed: tower and adapters
+    ckpt_a = torch.load(tmp_path / "a" / V.CHECKPOINT, weights_only=False)
+    ckpt_c = torch.load(tmp_path / "b" / V.CHECKPOINT, weights_only=False)
+    assert ckpt_a["lora"] and any(v.abs().sum() > 0 for k, v in ckpt_a["lora"].items() if k.endswith(".B"))
+    for k, v in ckpt_a["lora"].items():
+        torch.testing.assert_close(v, ckpt_c["lora"][k], msg=k)
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["eval"]["task"] for r in rows if "eval" in r} == {"single", "multi_image"}
+    assert (tmp_path / "a" / "final" / S.LORA_FILE).is_file()
+    # the shipped folder: a plain model with the adapters merged answers as the hooked one did
+    ids = torch.tensor([[1, 504, 3458, 314, 253]])
+    shipped, _ = _tiny(tokenizer)
+    S.load_trained_parts(shipped, tmp_path / "a" / "final")
+    with torch.no_grad():
+        torch.testing.assert_close(shipped(input_ids=ids).logits, model_a(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    V.export_checkpoint(tmp_path / "a", tmp_path / "exp")
+    assert S.read_lora(tmp_path / "exp")[1] == V.VLMTrainConfig(**{**_cfg(tmp_path).__dict__, **lora}).lora_spec
+
+
+def test_lora_and_plain_runs_do_not_mix(tokenizer, tmp_path):
+    model, proc = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "plain", stop_at=3), model, proc)
+    with pytest.raises(ValueError, match="without LoRA"):
+        V.train_vlm(_cfg(tmp_path / "plain", lora_rank=2), *_tiny(tokenizer))
+    model, proc = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "lora", stop_at=3, lora_rank=2), model, proc)
+    V.export_checkpoint(tmp_path / "lora", tmp_path / "exp")
+    with pytest.raises(ValueError, match="holds LoRA"):
+        V.train_vlm(_cfg(tmp_path / "next", stage1_weights=str(tmp_path / "exp")), *_tiny(tokenizer))
+    with pytest.raises(ValueError, match="differs"):
+        V.train_vlm(_cfg(tmp_path / "next2", stage1_weights=str(tmp_path / "exp"), lora_rank=4), *_tiny(tokenizer))
+    # a plain export over a folder that had adapters drops them (they belong to another tower)
+    V.export_checkpoint(tmp_path / "plain", tmp_path / "exp")
+    assert S.read_lora(tmp_path / "exp") is None

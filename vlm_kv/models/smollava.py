@@ -32,6 +32,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from vlm_kv.models.lora import LoRASpec, merge_lora
 from vlm_kv.models.smollm2 import load_smollm2
 
 MODEL_NAME = "smollava"
@@ -42,6 +43,7 @@ PATCH_SIZE = 16
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained" / MODEL_NAME
 WEIGHTS_FILE = "vision.safetensors"
+LORA_FILE = "lora.safetensors"  # optional: adapters on the LM's attention, merged at load time
 TRAINED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -70,7 +72,8 @@ VISION_CONFIG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=
 __all__ = [
     "MODEL_NAME", "IMAGE_TOKEN", "IMAGE_TOKEN_ID", "IMAGE_TOKENS", "PRETRAINED_DIR",
     "smollava_config", "smollava_processor", "build_smollava", "load_smollava", "trained_state",
-    "save_trained_parts", "load_trained_parts", "pixel_values", "has_shipped_weights",
+    "save_trained_parts", "load_trained_parts", "pixel_values", "has_shipped_weights", "save_lora", "read_lora",
+    "merge_language_lora",
 ]
 
 
@@ -151,22 +154,57 @@ def save_trained_parts(model, folder: str | os.PathLike, card: dict | None = Non
     return folder / WEIGHTS_FILE
 
 
+def save_lora(folder: str | os.PathLike, state: dict[str, torch.Tensor], spec: LoRASpec) -> Path:
+    """Write the language model's adapters (float32) with their spec in the file's metadata."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().contiguous() for k, v in state.items()}, str(folder / LORA_FILE),
+              metadata={"model": MODEL_NAME, "lora": json.dumps(spec.to_dict())})
+    return folder / LORA_FILE
+
+
+def read_lora(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], LoRASpec] | None:
+    """``(state, spec)`` of ``folder``'s adapters, or None when the folder ships none."""
+    from safetensors import safe_open
+
+    path = Path(folder) / LORA_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "lora" not in meta:
+        raise ValueError(f"{path}: no LoRA spec in its metadata (write it with save_lora)")
+    return load_file(str(path)), LoRASpec.from_dict(json.loads(meta["lora"]))
+
+
+def merge_language_lora(model, state: dict[str, torch.Tensor], spec: LoRASpec) -> None:
+    """Merge adapters into smollava's language model, once: a second merge would add them twice."""
+    if getattr(model, "_vlm_kv_lora_merged", False):
+        raise ValueError("this smollava already has LoRA adapters merged; load the weights into a fresh model")
+    merge_lora(model.model.language_model, state, spec)
+    model._vlm_kv_lora_merged = True
+
+
 def load_checkpoint_or_folder(model, weights: str | os.PathLike) -> int | None:
-    """Load a tower into ``model`` from a ``vlm-kv train-vlm`` checkpoint file (checkpoint.pt) or a
-    folder of trained parts (an export, the shipped folder); returns its training step when known
-    (the checkpoint's, or the folder card's)."""
+    """Load a tower (and any LM adapters, merged) into ``model`` from a ``vlm-kv train-vlm``
+    checkpoint file (checkpoint.pt) or a folder of trained parts (an export, the shipped folder);
+    returns its training step when known (the checkpoint's, or the folder card's)."""
     path = Path(weights)
     if path.is_file():
         state = torch.load(path, map_location="cpu", weights_only=False)
         model.load_state_dict(state["trainable"], strict=False)
+        if state.get("lora"):
+            merge_language_lora(model, state["lora"], LoRASpec.from_dict(state["lora_spec"]))
         return state["done"]
     load_trained_parts(model, path)
     card = path / "card.json"
     return json.loads(card.read_text()).get("done") if card.is_file() else None
 
 
-def load_trained_parts(model, folder: str | os.PathLike) -> None:
-    """Load saved trained parts into ``model``; every trained parameter must be present."""
+def load_trained_parts(model, folder: str | os.PathLike, *, with_lora: bool = True) -> None:
+    """Load saved trained parts into ``model``; every trained parameter must be present. The
+    folder's LM adapters (``lora.safetensors``), if any, are merged into the language model
+    unless ``with_lora=False`` (a training run that keeps them as adapters loads them itself)."""
 
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():
@@ -178,6 +216,9 @@ def load_trained_parts(model, folder: str | os.PathLike) -> None:
         raise ValueError(f"{path}: does not match the smollava tower (missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
     model.load_state_dict(state, strict=False)  # copied into each parameter's own dtype
+    lora = read_lora(folder) if with_lora else None
+    if lora is not None:
+        merge_language_lora(model, *lora)
 
 
 def has_shipped_weights() -> bool:
