@@ -390,17 +390,24 @@ def _build(scalar: bool = False):
                        verbose=bool(os.environ.get("VLM_KV_VERBOSE_BUILD")))
 
 
+_loaded: dict[bool, object] = {}  # built modules by ``scalar``
+
+
 def load(scalar: bool = False):
     """The compiled module (built on the first call, then cached by torch on disk); raises
     ``CpuKernelUnavailable`` with the reason where it cannot be built. ``scalar``: the build without
     AVX-512 unpacking (what a CPU without it runs; the tests build it to check that path too)."""
+    built = _loaded.get(scalar)
+    if built is not None:  # every decode step of every layer calls this: no timer thread then
+        return built
     notice = threading.Timer(BUILD_NOTICE_AFTER, lambda: print(
         "vlm-kv: building the CPU tiered-decode kernel (once per machine and version, about 30 s; "
         "attention_backend='torch' skips it)", file=sys.stderr, flush=True))
     notice.daemon = True
     notice.start()
     try:
-        return _build(scalar)
+        _loaded[scalar] = _build(scalar)
+        return _loaded[scalar]
     except Exception as err:  # a missing compiler, ninja or header surfaces as many exception types
         raise CpuKernelUnavailable(f"the CPU INT2 kernels could not be built: {err}") from err
     finally:
