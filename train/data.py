@@ -178,7 +178,8 @@ class TrainingData:
 
     def __init__(self, files: list[str], processor: Any, max_length: int, seed: int = 0,
                  image_token_id: int | None = None, video_token_id: int | None = None,
-                 min_pixels: int | None = None, max_pixels: int | None = None, facts: FactsMix | None = None) -> None:
+                 min_pixels: int | None = None, max_pixels: int | None = None, facts: FactsMix | None = None,
+                 answer_turns: bool = False) -> None:
         if max_length < 2:
             raise ValueError("max_length must be >= 2")
         self.files = list(files)
@@ -203,6 +204,12 @@ class TrainingData:
         self.samples += [("conv", i) for i in range(len(self.conversations))]
         if not self.samples:
             raise ValueError(f"no training samples in {self.files}")
+        # conversations' assistant turns as answers (the visual-facts recipe: questions about
+        # images asked after them, answered in the assistant turns)
+        self.answer_turns = answer_turns and bool(self.conversations)
+        if answer_turns and not self.conversations and self.facts is None:
+            raise ValueError(f"answer turns were asked for, but {self.files} hold no conversations "
+                             "(only text: use planted-fact chats, --facts-share, for answers)")
         self.position = 0
         self._perm_epoch = -1
         self._perm: list[int] = []
@@ -227,7 +234,10 @@ class TrainingData:
 
     # ---------------------------------------------------------------- conversations
 
-    def _render(self, conv: _Conversation) -> dict:
+    def _render(self, conv: _Conversation, with_answers: bool = False) -> dict:
+        """The conversation through the processor, truncated to max_length; with ``with_answers``
+        also ``answer_mask`` [1, T]: the label positions that predict an assistant turn's tokens
+        (whole turns only: a turn cut by the truncation is not marked)."""
         messages = []
         for m in conv.messages:
             content = m["content"]
@@ -245,10 +255,35 @@ class TrainingData:
             kwargs = {"do_resize": False, **video_kwargs}
         elif any(v is not None for v in self.pixel_limits.values()):
             raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(self.processor).__name__}")
-        out = self.processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
-                                                 add_generation_prompt=False, **kwargs)
-        out = {k: v for k, v in dict(out).items() if isinstance(v, torch.Tensor)}
-        return self._truncate(out)
+        def render(msgs: list[dict], prompt: bool) -> dict:
+            enc = self.processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt",
+                                                     add_generation_prompt=prompt, **kwargs)
+            return {k: v for k, v in dict(enc).items() if isinstance(v, torch.Tensor)}
+
+        out = render(messages, False)
+        answers = self._assistant_turns(messages, out["input_ids"][0], render) if with_answers else None
+        out = self._truncate(out)
+        if answers is not None:
+            out["answer_mask"] = answers[: out["input_ids"].shape[1]][None]
+        return out
+
+    @staticmethod
+    def _assistant_turns(messages: list[dict], ids: torch.Tensor, render) -> torch.Tensor:
+        """[T] bool: label positions whose next token is in an assistant turn (its text and end
+        marker), found by rendering each prefix; fails closed when the template does not render a
+        conversation as the concatenation of its turns."""
+        answers = torch.zeros(len(ids), dtype=torch.bool)
+        for turn, m in enumerate(messages):
+            if m["role"] != "assistant" or turn == 0:
+                continue
+            start = render(messages[:turn], True)["input_ids"].shape[1]
+            upto = render(messages[: turn + 1], False)["input_ids"][0]
+            stop = len(upto)
+            if not (0 < start < stop <= len(ids)) or not torch.equal(ids[:stop], upto):
+                raise ValueError("the chat template does not render a conversation as the concatenation of its "
+                                 "turns; its answer tokens cannot be located")
+            answers[start - 1: stop - 1] = True
+        return answers
 
     def _truncate(self, enc: dict) -> dict:
         ids = enc["input_ids"]
@@ -320,10 +355,11 @@ class TrainingData:
             ids = self.chunks[idx][None]
             enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         else:
-            enc = self._render(self.conversations[idx])
+            enc = self._render(self.conversations[idx], with_answers=self.answer_turns)
+            answers = enc.pop("answer_mask", None)
             enc.setdefault("attention_mask", torch.ones_like(enc["input_ids"]))
         enc["labels"] = self._labels(enc["input_ids"])
-        if self.facts is not None:  # every sample of a facts stream has the key, so batches collate
+        if self.facts is not None or self.answer_turns:  # every sample has the key, so batches collate
             enc["answer_mask"] = answers if answers is not None else torch.zeros_like(enc["labels"], dtype=torch.bool)
         return enc
 

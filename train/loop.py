@@ -101,7 +101,9 @@ class TrainConfig:
     facts_per_sample: int = 3
     facts_kinds: tuple[str, ...] = FACT_KINDS  # which kinds are planted (hold one out to test transfer)
     # weight of the distillation loss averaged over answer tokens only, added to the loss over all
-    # tokens: answers are ~2% of a facts chat, so in the plain average a dropped fact barely counts
+    # tokens: answers are ~2% of a facts chat, so in the plain average a dropped fact barely counts.
+    # The answers: those of the planted-fact chats, and the assistant turns of conversation data
+    # (e.g. questions about images asked after them, vlm_kv.eval.visual_export)
     answer_weight: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -132,9 +134,11 @@ def resolved_min_lr(cfg: TrainConfig) -> float:
 def check_data(cfg: TrainConfig) -> None:
     """Every training file exists and holds something: checked before the model loads."""
     FactsMix(cfg.facts_share, cfg.facts_per_sample, tuple(cfg.facts_kinds))  # range checks
-    if cfg.answer_weight < 0 or (cfg.answer_weight > 0 and cfg.facts_share == 0):
+    conversations = any(str(p).endswith((".jsonl", ".json")) for p in cfg.data)
+    if cfg.answer_weight < 0 or (cfg.answer_weight > 0 and cfg.facts_share == 0 and not conversations):
         raise ValueError(f"answer_weight {cfg.answer_weight} needs to be >= 0, and > 0 only with a facts share "
-                         "(the answers are those of the planted-fact chats)")
+                         "(the answers of the planted-fact chats) or conversation data (.jsonl: the answers "
+                         "are its assistant turns)")
     for path in cfg.data:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"training data file not found: {path}")
@@ -261,7 +265,8 @@ def train_gates(config: TrainConfig | dict) -> dict:
 
     facts = FactsMix(cfg.facts_share, cfg.facts_per_sample, tuple(cfg.facts_kinds)) if cfg.facts_share > 0 else None
     data = TrainingData(cfg.data, processor, cfg.max_length, seed=cfg.seed,
-                        image_token_id=adapter.image_token_id, video_token_id=adapter.video_token_id, facts=facts)
+                        image_token_id=adapter.image_token_id, video_token_id=adapter.video_token_id, facts=facts,
+                        answer_turns=cfg.answer_weight > 0)
 
     # ---- resume
     start = 0

@@ -269,7 +269,8 @@ def test_loop_capacity_target_follows_each_steps_sampled_budget(tmp_path, monkey
 
 def test_answer_weight_weighs_the_fact_answers_and_needs_facts(tmp_path):
     model, proc, text = _text_setup(tmp_path)
-    with pytest.raises(ValueError, match="only with a facts share"):
+    # text only (a .jsonl of text records here): no facts, no conversations, so no answers to weigh
+    with pytest.raises(ValueError, match="only with a facts share|hold no conversations"):
         train_gates(_cfg(model, proc, text, tmp_path / "x", answer_weight=1.0))
     runs = {}
     for weight in (0.0, 5.0):
