@@ -21,6 +21,8 @@ SETS = {  # label in the KL file -> (validation folder, what the run changed)
     "facts-aw0": ("facts-aw0", "v3 + 60 steps, half facts chats, plain average"),
     "facts-aw1": ("facts-aw1", "v3 + 60 steps, half facts chats, answer weight 1 (not shipped: KL)"),
     "facts-aw3": ("facts-aw3", "v3 + 60 steps, half facts chats, answer weight 3"),
+    "facts-aw05": ("facts-aw05", "v3 + 60 steps, half facts chats, answer weight 0.5"),
+    "facts-s25-aw1": ("facts-s25-aw1", "v3 + 60 steps, a quarter facts chats, answer weight 1"),
 }
 BUDGETS = (0.05, 0.1, 0.25)
 

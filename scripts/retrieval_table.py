@@ -5,9 +5,11 @@
 
 Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below the folder (one sweep
 per dtype / tiering / --ask / gate set), except the ``val`` folder's (the validation passage).
-Gated policies are labelled with their gate set: ``v3`` for the shipped gates (named or not; v3 has
-been the default since session 6) and for ``docs/retrieval/v3_gates.sh``'s copy, else the folder
-name of ``--gates`` (``facts-aw1``: the retrieval-aware fine-tune, not shipped).
+Gated policies are labelled with their gate set: ``v3`` for the default gates (every sweep here
+that ran without ``--gates`` predates session 16, when v3 was the default) and for
+``docs/retrieval/v3_gates.sh``'s copy, else the folder name of ``--gates`` (``facts-aw05``: the
+retrieval-aware fine-tune shipped as the v4 default; ``facts-aw1``: its sibling, not shipped). New
+sweeps of the default gates must name them with ``--gates`` to be labelled right.
 """
 
 from __future__ import annotations
