@@ -2,9 +2,11 @@
 
     python scripts/retrieval_table.py docs/retrieval      # writes table.md, table.csv and relative_accuracy.png there
     python scripts/retrieval_table.py docs/retrieval/val  # the validation sweeps that chose the gates
+    python scripts/retrieval_table.py docs/retrieval/ctx2048  # the 2048-token haystacks
 
 Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below the folder (one sweep
-per dtype / tiering / --ask / gate set), except the ``val`` folder's (the validation passage).
+per dtype / tiering / --ask / gate set), except the ``val`` and ``ctx2048`` folders' (the validation
+passage, the 2048-token haystacks: each has its own table).
 Gated policies are labelled with their gate set: ``v3`` for the default gates (every sweep here
 that ran without ``--gates`` predates session 16, when v3 was the default) and for
 ``docs/retrieval/v3_gates.sh``'s copy, else the folder name of ``--gates`` (``facts-aw05``: the
@@ -41,7 +43,7 @@ def rows(folder: Path) -> list[dict]:
     out = []
     paths = sorted(folder.glob("*/sweep_retrieval.json")) + sorted(folder.glob("*/*/sweep_retrieval.json"))
     for path in paths:
-        if path.relative_to(folder).parts[0] == "val":
+        if path.relative_to(folder).parts[0] in ("val", "ctx2048"):  # their own tables
             continue
         state = json.loads(path.read_text())
         settings = state["settings"]
