@@ -48,5 +48,9 @@ def test_smollava_loads_by_name_as_a_vlm_and_as_a_text_model(shipped):
     # both carry the same trained tower
     a, b = S.trained_state(model), S.trained_state(text_model)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    # and, where the shipped folder has LM adapters, both merged them (once)
+    ships_lora = S.read_lora(S.PRETRAINED_DIR) is not None
+    assert getattr(model, "_vlm_kv_lora_merged", False) == ships_lora
+    assert getattr(text_model, "_vlm_kv_lora_merged", False) == ships_lora
     cache = vlm_kv.make_cache(text_model, "snapkv", 0.5)
     assert isinstance(cache, vlm_kv.CompressedCache)

@@ -4,11 +4,14 @@
     cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.1)
 
 Stock transformers ``LlavaForConditionalGeneration``: the language model and its head are
-SmolLM2-135M-Instruct, unchanged and frozen; a small SigLIP vision tower (224 px, 16 px patches,
-196 visual tokens an image, every patch kept: ``vision_feature_select_strategy="full"``) and
-the two-layer projector were trained here by ``vlm-kv train-vlm`` on the generated tasks of
-``vlm_kv.eval.visual_tasks``. Only those trained parts ship (``pretrained/smollava/``, about
-15 MB); the rest is SmolLM2's GGUF weights, de-quantized at load time.
+SmolLM2-135M-Instruct, frozen; a small SigLIP vision tower (224 px, 16 px patches, 196 visual
+tokens an image, every patch kept: ``vision_feature_select_strategy="full"``) and the two-layer
+projector were trained here by ``vlm-kv train-vlm`` on the generated tasks of
+``vlm_kv.eval.visual_tasks``, with rank-8 LoRA adapters on the LM's attention projections where
+the shipped folder has ``lora.safetensors`` (merged into those weights at load time, so the model
+keeps stock modules; why: docs/smollava.md, the frozen LM read the wrong image of eight). Only the
+trained parts ship (``pretrained/smollava/``, about 19 MB); the rest is SmolLM2's GGUF weights,
+de-quantized at load time.
 
 The image placeholder is SmolLM2's unused special token ``<empty_output>`` (id 16), so the
 vocabulary and the embedding matrix stay exactly SmolLM2's; the processor's chat template
