@@ -106,22 +106,18 @@ def lora_state(adapters: dict[str, LoRADelta]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_keys(module: nn.Module, state: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, nn.Linear]:
-    layers = _targets(module, spec)
+def _check_keys(layers, state: dict[str, torch.Tensor]) -> None:
+    """Every layer has its A and B in ``state`` and nothing else is there."""
     expected = {f"{n}.{p}" for n in layers for p in ("A", "B")}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         raise ValueError(f"LoRA weights do not match the model (missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
-    return layers
 
 
 def load_lora_state(adapters: dict[str, LoRADelta], state: dict[str, torch.Tensor]) -> None:
     """Copy saved adapter tensors into attached adapters (a resumed training run)."""
-    expected = {f"{n}.{p}" for n in adapters for p in ("A", "B")}
-    if expected != set(state):
-        raise ValueError(f"LoRA checkpoint does not match the attached adapters "
-                         f"({len(expected)} tensors expected, {len(state)} given)")
+    _check_keys(adapters, state)
     with torch.no_grad():
         for name, delta in adapters.items():
             delta.A.copy_(state[f"{name}.A"])
@@ -133,7 +129,8 @@ def merge_lora(module: nn.Module, state: dict[str, torch.Tensor], spec: LoRASpec
     """Add ``scale * B @ A`` to each target layer's weight in place (computed in float32, stored
     in the weight's dtype); returns the number of layers changed. Every target must have its
     tensors and no tensor may be left over: a partial merge would silently be another model."""
-    layers = _check_keys(module, state, spec)
+    layers = _targets(module, spec)
+    _check_keys(layers, state)
     for name, linear in layers.items():
         if getattr(linear, "_lora_attached", False):
             raise ValueError(f"{name} has a training adapter attached; merge into a plain model")
