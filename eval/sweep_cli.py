@@ -15,6 +15,7 @@ The full cache runs once as the reference. Rerunning with the same --out skips f
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -72,10 +73,25 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _allocation_kwargs(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--allocation-kwargs is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--allocation-kwargs takes a JSON object of the allocation's fields, got {text!r}")
+    return value
+
+
 def _cache_kwargs(args) -> dict:
     kw = {}
+    fields = {}
     if args.evict_every is not None:
-        kw["options"] = CacheOptions(evict_every=args.evict_every)
+        fields["evict_every"] = args.evict_every
+    if getattr(args, "allocation_kwargs", None):
+        fields["allocation_kwargs"] = _allocation_kwargs(args.allocation_kwargs)
+    if fields:
+        kw["options"] = CacheOptions(**fields)
     if args.gates:
         kw["gates"] = args.gates
     kw.update(tier_kwargs(args))
@@ -240,6 +256,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps")
     p.add_argument("--gates", default=None, help="retention gates folder for trimkv / dbtrimkv")
+    p.add_argument("--allocation-kwargs", default=None,
+                   help="JSON of the allocation's fields for every policy, e.g. "
+                        "'{\"modality_floor\": {\"image\": 0.5}}' for dbtrimkv's global allocation")
     add_tier_args(p)
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for the model)")
     p.add_argument("--max-new-tokens", type=int, default=None,

@@ -56,3 +56,33 @@ def test_cli_runs_the_multimodal_task(tiny, tmp_path, monkeypatch, capsys):
     assert cli.main(["sweep", "--task", "multimodal", "--model", "smollava", "--images", "blur", "--policies", "h2o",
                      "--budgets", "0.5", "--out", str(tmp_path / "x")]) == 2
     assert "images must be 'real' or 'noise'" in capsys.readouterr().err
+
+
+def test_cli_allocation_kwargs_reach_every_cache(tiny, tmp_path, monkeypatch, capsys):
+    # a modality cap on dbtrimkv's global allocation takes effect (the cap is a share of the
+    # budget, so with few text entries to fill the rest the kept share can sit above it)
+    from vlm_kv.gates.io import save_gates
+    from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
+    from vlm_kv.models.adapters import get_adapter
+
+    a = get_adapter(tiny[0])
+    save_gates(RetentionGates(GateConfig(hidden_size=a.hidden_size, num_layers=a.num_layers,
+                                         num_kv_heads=a.num_kv_heads, width=8, model=a.fingerprint())),
+               str(tmp_path / "gates"))
+    monkeypatch.setattr(sweep_cli, "is_vlm", lambda name: True)
+    monkeypatch.setattr(sweep_cli, "load_vlm", lambda name, device=None: tiny)
+    args = ["sweep", "--task", "multimodal", "--model", "smollava", "--data-seed", "3", "--items", "1",
+            "--tasks", "single", "--max-new-tokens", "2", "--policies", "dbtrimkv", "--budgets", "0.5",
+            "--gates", str(tmp_path / "gates"), "--no-progress"]
+    share = {}
+    for name, extra in (("free", []), ("capped", ["--allocation-kwargs", '{"modality_cap": {"image": 0.2}}'])):
+        assert cli.main([*args, *extra, "--out", str(tmp_path / name)]) == 0
+        table = json.loads((tmp_path / name / "sweep_multimodal.json").read_text())
+        share[name] = table["rows"][-1]["visual_share"]
+    capsys.readouterr()
+    assert share["free"] > 0.5 and share["capped"] < share["free"] / 2
+    assert table["settings"]["cache_kwargs"]["options"]["allocation_kwargs"] == {"modality_cap": {"image": 0.2}}
+    # refused by name before any model loads: not JSON, not an object, a field the allocation lacks
+    for bad, said in (("{oops", "not JSON"), ("[1]", "JSON object"), ('{"windw": 3}', "windw")):
+        assert cli.main([*args, "--allocation-kwargs", bad, "--out", str(tmp_path / "bad")]) == 2
+        assert said in capsys.readouterr().err

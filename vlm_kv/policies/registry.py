@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from vlm_kv.policies.base import Scorer
@@ -24,6 +25,18 @@ def policy_spec(name: str) -> PolicySpec:
     return POLICIES[key]
 
 
+def _build(cls: type, kwargs: dict[str, Any] | None, what: str) -> Any:
+    """``cls(**kwargs)``, refusing by name the fields ``cls`` does not have (a typo would otherwise
+    surface as a TypeError from deep inside the cache's construction)."""
+    kwargs = kwargs or {}
+    known = [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"{what} has no field {', '.join(map(repr, unknown))}; "
+                         f"its fields: {', '.join(known) or 'none'}")
+    return cls(**kwargs)
+
+
 def build_policy(
     name: str,
     allocation: str | None = None,
@@ -32,11 +45,11 @@ def build_policy(
 ) -> tuple[Scorer, Allocation]:
     """Scorer and allocation for a policy name; ``allocation`` overrides the policy's own."""
     spec = policy_spec(name)
-    scorer = spec.scorer(**(scorer_kwargs or {}))
+    scorer = _build(spec.scorer, scorer_kwargs, f"policy {normalize_policy_name(name)!r}: scorer {spec.scorer.__name__}")
     if allocation is None:
-        alloc = spec.allocation(**(allocation_kwargs or {}))
+        alloc = _build(spec.allocation, allocation_kwargs, f"policy {normalize_policy_name(name)!r}: allocation {spec.allocation.__name__}")
     else:
         if allocation not in ALLOCATIONS:
             raise UnknownPolicyError(f"unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
-        alloc = ALLOCATIONS[allocation](**(allocation_kwargs or {}))
+        alloc = _build(ALLOCATIONS[allocation], allocation_kwargs, f"allocation {allocation!r} ({ALLOCATIONS[allocation].__name__})")
     return scorer, alloc

@@ -116,8 +116,10 @@ class GlobalTopK(Allocation):
 
     Needs scores comparable across layers, which weight-coupled retention gates provide.
     Options: ``min_per_head`` entries every head keeps; ``modality_floor`` / ``modality_cap``
-    map a modality ("text", "image", "video") to the least / most share of the kept entries
-    it gets (a floor only binds while that modality has entries left to keep).
+    map a modality ("text", "image", "video") to the least / most share of the sequence's budget
+    (L * H * C entries) it gets. A floor only binds while that modality has entries left to keep;
+    a cap is not refilled from that modality when the others run short, so the kept set can be
+    smaller than the budget and that modality's share of what is kept above the cap.
     """
 
     name: ClassVar[str] = "global"
