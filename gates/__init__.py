@@ -7,7 +7,7 @@ import os
 from vlm_kv.gates.io import CONFIG, GateMismatchError, check_fits, load_config
 
 PRETRAINED_DIR = os.path.join(os.path.dirname(__file__), "pretrained")
-SHIPPED = ("smollm2-135m-dbtrimkv", "smollm2-135m-trimkv")
+SHIPPED = ("smollm2-135m-dbtrimkv", "smollm2-135m-trimkv", "smollava-dbtrimkv")
 
 
 def default_gates_for(fingerprint: dict, kind: str = "dbtrimkv") -> str | None:

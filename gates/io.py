@@ -39,15 +39,17 @@ def load_config(folder: str) -> GateConfig:
         raise GateMismatchError(f"corrupt gate config {cfg_path}: {err}") from None
 
 
-def load_gates(folder: str, fingerprint: dict | None = None) -> RetentionGates:
+def load_gates(folder: str, fingerprint: dict | None = None, *, any_family: bool = False) -> RetentionGates:
     """Load gates from ``folder``; with a model's ``fingerprint`` (``ModelAdapter.fingerprint()``),
-    refuse gates trained for a different model."""
+    refuse gates trained for a different model. ``any_family`` accepts gates of another model
+    family whose language model has the same config (fine-tuning a VLM's gates from its text
+    model's: the gates see only the language model's hidden states)."""
     config = load_config(folder)
     w_path = os.path.join(folder, WEIGHTS)
     if not os.path.isfile(w_path):
         raise FileNotFoundError(f"no gates in {folder}: expected {CONFIG} and {WEIGHTS}")
     if fingerprint is not None:
-        check_fits(config, fingerprint)
+        check_fits(config, fingerprint, any_family=any_family)
     gates = RetentionGates(config)
     try:
         state = load_file(w_path)
@@ -57,11 +59,12 @@ def load_gates(folder: str, fingerprint: dict | None = None) -> RetentionGates:
     return gates.eval()
 
 
-def check_fits(config: GateConfig, fingerprint: dict) -> None:
-    """Refuse gates whose recorded model (family, config hash) is not the model with ``fingerprint``."""
+def check_fits(config: GateConfig, fingerprint: dict, *, any_family: bool = False) -> None:
+    """Refuse gates whose recorded model (family, config hash) is not the model with ``fingerprint``
+    (with ``any_family``, only the language model's config hash must match)."""
     expected = fingerprint
     trained = config.model or {}
-    identity = ("family", "config_hash")
+    identity = ("config_hash",) if any_family else ("family", "config_hash")
     if any(trained.get(k) != expected.get(k) for k in identity):
         def brief(fp: dict) -> str:
             return (f"{fp.get('architecture')} ({fp.get('num_layers')} layers, {fp.get('num_kv_heads')} KV heads, "

@@ -83,6 +83,20 @@ def test_gates_trained_for_another_model(tmp_path):
         vlm_kv.make_cache(tiny_model("llama"), policy="dbtrimkv", budget=0.5, gates=str(tmp_path))
 
 
+def test_gates_of_the_same_language_model_in_another_family_only_for_fine_tuning(tmp_path):
+    # a VLM's gates may start from its text model's (same language model config), nothing else may
+    model = tiny_model("llama")
+    fp = get_adapter(model).fingerprint()
+    save_gates(_gates_for(model), str(tmp_path))
+    other_family = {**fp, "family": "llava", "architecture": "LlavaForConditionalGeneration"}
+    with pytest.raises(GateMismatchError, match="trained for"):
+        load_gates(str(tmp_path), fingerprint=other_family)
+    assert load_gates(str(tmp_path), fingerprint=other_family, any_family=True).config.model == fp
+    other_config = {**other_family, "config_hash": "0" * 16}
+    with pytest.raises(GateMismatchError, match="trained for"):
+        load_gates(str(tmp_path), fingerprint=other_config, any_family=True)
+
+
 def test_corrupt_gate_files(tmp_path):
     model = tiny_model("llama")
     save_gates(_gates_for(model), str(tmp_path))

@@ -251,7 +251,8 @@ def train_gates(config: TrainConfig | dict) -> dict:
                           coupled=cfg.coupled, model=adapter.fingerprint(), training=_training_info(cfg))
     gates = RetentionGates(gate_cfg)
     if cfg.init_gates:
-        start_from = load_gates(cfg.init_gates, fingerprint=adapter.fingerprint())
+        # a VLM's gates may start from its language model's (same config hash, another family)
+        start_from = load_gates(cfg.init_gates, fingerprint=adapter.fingerprint(), any_family=True)
         if (start_from.config.kind, start_from.config.width, start_from.config.coupled) != (cfg.kind, cfg.width, cfg.coupled):
             raise ValueError(f"init_gates {cfg.init_gates} are {start_from.config.kind} width {start_from.config.width} "
                              f"coupled={start_from.config.coupled}; this run trains {cfg.kind} width {cfg.width} "

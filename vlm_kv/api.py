@@ -84,7 +84,8 @@ def make_cache(
         recency (KIVI's split under a budget), ``random`` at random (the floor). ``fastv``,
         ``visionzip``, ``dbtrimkv_threshold`` and ``polykv`` refuse tiers.
     gates: for ``trimkv`` / ``dbtrimkv``: a folder saved by ``vlm-kv train-gates`` or a
-        ``RetentionGates`` module; SmolLM2-135M uses the gates shipped in the package by default.
+        ``RetentionGates`` module; SmolLM2-135M and smollava use the gates shipped in the package by
+        default (each its own).
     strategy: for ``polykv``: a strategy JSON written by ``vlm-kv calibrate`` or a ``Strategy``;
         SmolLM2-135M uses the strategy shipped in the package by default.
     options: how the cache runs (eviction interval, chunked prefill, attention backend, scorer
