@@ -1,0 +1,140 @@
+"""The multimodal benchmark's table and plots from one or more `vlm-kv sweep --task multimodal` folders.
+
+    python scripts/multimodal_table.py docs/smollava/multi_turn/uniform docs/smollava/multi_turn/tiered:+tiers \
+        --task multi_turn --out docs/smollava/multi_turn
+
+Each folder may carry a label suffix (``DIR:+tiers``) appended to its policies' names, for folders
+swept with other cache settings (tiers). Folders must hold the same items (model, data seed,
+items, tasks, images); their full-cache rows must agree, else the script refuses: the relative
+numbers would compare different runs. Writes ``table.md`` (relative accuracy, the share of kept
+entries that are visual, answer-token KL and bytes held, per budget), ``rows.json`` (the merged
+rows) and two plots: relative accuracy against the budget, and accuracy per turn at each budget
+(a policy that chooses by the first question may lose what a later turn asks about).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ITEM_KEYS = ("model", "data_seed", "items", "tasks", "images", "kinds", "max_new_tokens")
+
+
+def load(folders: list[str], task: str) -> tuple[list[dict], dict]:
+    rows: list[dict] = []
+    first_settings = None
+    full = None
+    for spec in folders:
+        folder, _, label = spec.partition(":")
+        state = json.loads((Path(folder) / "sweep_multimodal.json").read_text())
+        settings = {k: state["settings"].get(k) for k in ITEM_KEYS}
+        if first_settings is None:
+            first_settings = settings
+        elif settings != first_settings:
+            raise SystemExit(f"{folder} swept other items: {settings} vs {first_settings}")
+        for r in state["rows"]:
+            if r["task"] != task or r.get("error"):
+                continue
+            if r["policy"] == "full":
+                if full is not None and abs(full["accuracy"] - r["accuracy"]) > 1e-9:
+                    raise SystemExit(f"{folder}: the full cache's accuracy {r['accuracy']} differs from {full['accuracy']}")
+                full = full or r
+                continue
+            rows.append({**r, "policy": r["policy"] + label})
+    if full is None:
+        raise SystemExit(f"no full-cache row for task {task} in {folders}")
+    return [full, *rows], first_settings
+
+
+def fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    full, rest = rows[0], rows[1:]
+    budgets = sorted({float(r["budget"]) for r in rest})
+    policies = list(dict.fromkeys(r["policy"] for r in rest))
+    cell = {(r["policy"], float(r["budget"])): r for r in rest}
+    head = "| policy | " + " | ".join(f"{b:g}: rel. acc. (visual share, KL, bytes)" for b in budgets) + " |"
+    lines = [f"Full cache: accuracy {full['accuracy']:.3f} over {full['items']} items "
+             f"({full['full_kv_bytes'] / 2**20:.1f} MiB of KV per item at the end, mean). Bytes below: the most "
+             "held after an eviction step, over the full cache's.", "", head,
+             "|---|" + "---|" * len(budgets)]
+    for p in policies:
+        parts = []
+        for b in budgets:
+            r = cell.get((p, b))
+            if r is None:
+                parts.append("not run")
+                continue
+            ratio = r["max_kv_bytes"] / r["full_kv_bytes"] if r.get("full_kv_bytes") else None
+            parts.append(f"**{fmt(r['relative_accuracy'])}** ({fmt(r.get('visual_share'))}, "
+                         f"{fmt(r.get('kl'), '.3f')}, {fmt(ratio)}x)")
+        lines.append(f"| {p} | " + " | ".join(parts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path, task: str) -> None:
+    # lazy: matplotlib is optional (the eval extra)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # lazy: matplotlib is optional (the eval extra)
+    import matplotlib.pyplot as plt
+
+    full, rest = rows[0], rows[1:]
+    policies = list(dict.fromkeys(r["policy"] for r in rest))
+    cmap = plt.get_cmap("tab20")
+    colour = {p: cmap(i % 20) for i, p in enumerate(policies)}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for p in policies:
+        pts = sorted((float(r["budget"]), r["relative_accuracy"]) for r in rest if r["policy"] == p)
+        ax.plot([b for b, _ in pts], [a for _, a in pts], marker="o", label=p, color=colour[p],
+                ls="-" if "dbtrimkv" in p else "--")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set(xscale="log", xlabel="budget (fraction of the full cache)", ylabel="accuracy / full cache's",
+           title=f"smollava, {task}: {full['items']} held-out items, full cache {full['accuracy']:.2f}")
+    budgets = sorted({float(r["budget"]) for r in rest})
+    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "relative_accuracy.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.6 * len(budgets), 3.8), squeeze=False, sharey=True)
+    for ax, b in zip(axes[0], budgets):
+        turns = full.get("turn_accuracy") or []
+        ax.plot(range(1, len(turns) + 1), turns, color="black", lw=2, label="full")
+        for p in policies:
+            r = next((r for r in rest if r["policy"] == p and float(r["budget"]) == b), None)
+            if r and r.get("turn_accuracy"):
+                ax.plot(range(1, len(r["turn_accuracy"]) + 1), r["turn_accuracy"], marker=".", color=colour[p],
+                        label=p, ls="-" if "dbtrimkv" in p else "--")
+        ax.set(title=f"budget {b:g}", xlabel="turn (question number)", ylabel="accuracy")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_per_turn.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folders", nargs="+", help="sweep folders, each optionally DIR:label-suffix")
+    ap.add_argument("--task", default="multi_turn")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows, settings = load(args.folders, args.task)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(rows)
+    (out / "table.md").write_text(text)
+    (out / "rows.json").write_text(json.dumps({"settings": settings, "sources": args.folders, "rows": rows}, indent=1))
+    plots(rows, out, args.task)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
