@@ -48,7 +48,7 @@ DIM_FLOOR = 0.12  # brightness of a patch no (layer, head) pair kept: dark, but 
 
 @dataclass(frozen=True)
 class ImageDemoSettings:
-    policy: str = "snapkv"
+    policy: str = "dbtrimkv"   # smollava's own gates ship with it
     budget: float | int = 0.25
     data_seed: int = 1          # held out: the shipped tower was trained on seed 0 only
     index: int = 0              # which item of the seed

@@ -154,7 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         strategy=args.strategy)
     # defaults live here, not in the parser, so that the text demo keeps its own (dbtrimkv, 48 tokens)
     settings = ImageDemoSettings(
-        policy=_check_policy(args.policy or "snapkv", args.gates), budget=budget_value(args.budget),
+        policy=_check_policy(args.policy or ImageDemoSettings.policy, args.gates), budget=budget_value(args.budget),
         data_seed=1 if args.data_seed is None else args.data_seed, images=4 if args.images is None else args.images,
         max_new_tokens=ImageDemoSettings.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         png=args.png or "vlm_kv_demo.png", gates=args.gates, strategy=args.strategy)
@@ -232,10 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="SmolLM2 answers two turns of questions about a long text, full vs compressed "
                                      "cache; --image: smollava answers a question about one of several images")
     p.add_argument("--policy", default=None,
-                   help="default: dbtrimkv (the learned gates shipped for SmolLM2); snapkv with --image")
+                   help="default: dbtrimkv (the learned gates shipped for SmolLM2, or for smollava with --image)")
     p.add_argument("--budget", default="0.25", help=BUDGET_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 48 (16 with --image)")
-    p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
+    p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: the gates shipped for the model)")
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.add_argument("--image", action="store_true",
                    help="ask smollava a held-out question about one of several generated images instead, and "
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True)
     p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
-    p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: gates shipped for SmolLM2)")
+    p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: the gates shipped for the model)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
