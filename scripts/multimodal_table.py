@@ -8,8 +8,9 @@ swept with other cache settings (tiers). Folders must hold the same items (model
 items, tasks, images); their full-cache rows must agree, else the script refuses: the relative
 numbers would compare different runs. Writes ``table.md`` (relative accuracy, the share of kept
 entries that are visual, answer-token KL and bytes held, per budget), ``rows.json`` (the merged
-rows) and two plots: relative accuracy against the budget, and accuracy per turn at each budget
-(a policy that chooses by the first question may lose what a later turn asks about).
+rows) and three plots: relative accuracy against the budget, accuracy per turn at each budget
+(a policy that chooses by the first question may lose what a later turn asks about), and the
+share of kept entries that are visual, per layer.
 """
 
 from __future__ import annotations
@@ -117,6 +118,21 @@ def plots(rows: list[dict], out: Path, task: str) -> None:
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "accuracy_per_turn.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.6 * len(budgets), 3.8), squeeze=False, sharey=True)
+    for ax, b in zip(axes[0], budgets):
+        for p in policies:
+            r = next((r for r in rest if r["policy"] == p and float(r["budget"]) == b), None)
+            if r and r.get("visual_share_per_layer"):
+                share = r["visual_share_per_layer"]
+                ax.plot(range(len(share)), share, marker=".", color=colour[p], label=p,
+                        ls="-" if "dbtrimkv" in p else "--")
+        ax.set(title=f"budget {b:g}", xlabel="layer", ylabel="share of kept entries that are visual", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "visual_share_per_layer.png", dpi=110)
     plt.close(fig)
 
 
