@@ -98,14 +98,16 @@ def _llava_to_messages(record: dict) -> list:
     return messages
 
 
-def _read_source(path: str) -> tuple[list[str], list[_Conversation]]:
+def read_source(path: str, base: str | None = None) -> tuple[list[str], list[_Conversation]]:
+    """The text documents and the conversations of one data file; media paths of a JSONL file are
+    resolved against ``base`` (default: the file's own folder)."""
     texts: list[str] = []
     convs: list[_Conversation] = []
     if not path.endswith((".jsonl", ".json")):
         with open(path, encoding="utf-8", errors="replace") as fh:
             texts.append(fh.read())
         return texts, convs
-    base = os.path.dirname(os.path.abspath(path))
+    base = os.path.abspath(base) if base is not None else os.path.dirname(os.path.abspath(path))
 
     def resolve(p: str) -> str:
         return p if os.path.isabs(p) else os.path.join(base, p)
@@ -155,6 +157,36 @@ def _load_media(item: dict) -> dict:
     return item
 
 
+def prepare_chat(processor: Any, messages: list[dict], pixel_limits: dict) -> tuple[list[dict], dict]:
+    """``messages`` with their media loaded (Qwen VL: sized by qwen-vl-utils within
+    ``pixel_limits``) and the keyword arguments :func:`render_chat` passes the processor."""
+    loaded = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [_load_media(c) for c in content]
+        loaded.append({"role": m["role"], "content": content})
+    kwargs: dict[str, Any] = {}
+    if is_qwen_vl_processor(processor):  # qwen-vl-utils sizing; the processor keeps it
+        images, videos, video_kwargs = qwen_vision_info(loaded, processor, **pixel_limits)
+        images, videos = iter(images or []), iter(videos or [])
+        loaded = [{"role": m["role"], "content": [
+            dict(c, image=next(images)) if c.get("type") == "image" else
+            dict(c, video=next(videos)) if c.get("type") == "video" else c
+            for c in m["content"]]} if isinstance(m["content"], list) else m for m in loaded]
+        kwargs = {"do_resize": False, **video_kwargs}
+    elif any(v is not None for v in pixel_limits.values()):
+        raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(processor).__name__}")
+    return loaded, kwargs
+
+
+def render_chat(processor: Any, messages: list[dict], kwargs: dict, add_generation_prompt: bool) -> dict:
+    """The tensors of ``messages`` (prepared by :func:`prepare_chat`) through the processor's chat template."""
+    enc = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+    return {k: v for k, v in dict(enc).items() if isinstance(v, torch.Tensor)}
+
+
 @dataclass(frozen=True)
 class FactsMix:
     """``share`` of the text samples turned into planted-fact chats of ``per_sample`` facts."""
@@ -196,7 +228,7 @@ class TrainingData:
         texts: list[str] = []
         self.conversations: list[_Conversation] = []
         for f in self.files:
-            t, c = _read_source(f)
+            t, c = read_source(f)
             texts += t
             self.conversations += c
         self.chunks = self._pack(texts)
@@ -238,27 +270,10 @@ class TrainingData:
         """The conversation through the processor, truncated to max_length; with ``with_answers``
         also ``answer_mask`` [1, T]: the label positions that predict an assistant turn's tokens
         (whole turns only: a turn cut by the truncation is not marked)."""
-        messages = []
-        for m in conv.messages:
-            content = m["content"]
-            if isinstance(content, list):
-                content = [_load_media(c) for c in content]
-            messages.append({"role": m["role"], "content": content})
-        kwargs: dict[str, Any] = {}
-        if is_qwen_vl_processor(self.processor):  # qwen-vl-utils sizing; the processor keeps it
-            images, videos, video_kwargs = qwen_vision_info(messages, self.processor, **self.pixel_limits)
-            images, videos = iter(images or []), iter(videos or [])
-            messages = [{"role": m["role"], "content": [
-                dict(c, image=next(images)) if c.get("type") == "image" else
-                dict(c, video=next(videos)) if c.get("type") == "video" else c
-                for c in m["content"]]} if isinstance(m["content"], list) else m for m in messages]
-            kwargs = {"do_resize": False, **video_kwargs}
-        elif any(v is not None for v in self.pixel_limits.values()):
-            raise ValueError(f"min_pixels / max_pixels apply to Qwen VL processors, not {type(self.processor).__name__}")
+        messages, kwargs = prepare_chat(self.processor, conv.messages, self.pixel_limits)
+
         def render(msgs: list[dict], prompt: bool) -> dict:
-            enc = self.processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt",
-                                                     add_generation_prompt=prompt, **kwargs)
-            return {k: v for k, v in dict(enc).items() if isinstance(v, torch.Tensor)}
+            return render_chat(self.processor, msgs, kwargs, add_generation_prompt=prompt)
 
         out = render(messages, False)
         answers = self._assistant_turns(messages, out["input_ids"][0], render) if with_answers else None

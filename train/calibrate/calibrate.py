@@ -22,8 +22,9 @@ Our procedure (the PolyKV paper's code is not public):
    ``floor_ratio`` evenly to every layer (the floor) and the rest in proportion to sensitivity
    (``budget_source="probes"``) or to the entries the model's DBTrimKV gates keep per layer at
    the global budget (``budget_source="gates"``), no layer above its full cache.
-4. Modality shares per layer, on image data only (``images=``: MathVision-style problems, one
-   window per problem, the full cache's greedy continuation fed one token at a time): with the
+4. Modality shares per layer, on image data only (``images=``: MathVision-style problems or
+   conversations, one window per problem or per chat up to its first answer, the full cache's
+   greedy continuation fed one token at a time; :mod:`vlm_kv.train.calibrate.data`): with the
    layer's chosen pattern at its share, how much the KL grows when the layer keeps less of one
    modality; see :mod:`vlm_kv.train.calibrate.modality`. Text data give no modality shares.
 5. Attention entropy per layer (mean over heads of the entropy of the last ``entropy_queries``
@@ -315,9 +316,9 @@ class Calibrator:
                  log: Callable[[str], None] | None = None, only_measured: bool = False,
                  gates=None, images: str | None = None) -> None:
         """``gates``: a folder or RetentionGates module for gated candidates (default: the gates
-        shipped for the model). ``images``: the folder the image paths of MathVision-style JSONL
-        ``data`` are relative to; then ``tokenizer`` is the model's processor, each window is one
-        problem (image + question, its greedy continuation) and the layers' modality shares are
+        shipped for the model). ``images``: the folder the image paths of the JSONL ``data``
+        (MathVision-style problems or conversations) are relative to; then ``tokenizer`` is the
+        model's processor, each window is one problem or chat prompt (its greedy continuation) and the layers' modality shares are
         calibrated too (:mod:`vlm_kv.train.calibrate.modality`)."""
         self.only_measured = only_measured
         self.model = model
@@ -613,7 +614,7 @@ def calibrate(model, tokenizer, data: list[str], config: CalibrationConfig, prog
     """A PolyKV strategy for ``model`` calibrated on the text files ``data`` (see module docstring);
     ``only_measured``: choose from the measurements in ``progress_path`` and measure nothing;
     ``gates``: for gated candidates (trimkv, dbtrimkv), a folder or module (default: shipped);
-    ``images``: ``data`` are MathVision-style JSONL files whose image paths are relative to this
+    ``images``: ``data`` are JSONL files (problems or conversations) whose image paths are relative to this
     folder, ``tokenizer`` is the model's processor, and every layer gets modality shares too."""
     return Calibrator(model, tokenizer, data, config, progress_path, show_progress,
                       only_measured=only_measured, gates=gates, images=images).run()

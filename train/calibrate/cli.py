@@ -4,12 +4,19 @@
         --candidates snapkv,h2o,tova,streaming_llm,adakv --out strategy.json [--phases prefill,decode] \
         [--baseline adakv --margin 0.02 --sensitivity 0.5,2]
 
-On image data (a vision-language model folder; MathVision-style JSONL whose ``image`` paths are
-relative to ``--images``), each window is one problem and every layer also gets modality shares:
+On image data (a vision-language model; MathVision-style JSONL or conversation JSONL, as
+``train-gates`` reads, whose image paths are relative to ``--images``), each window is one problem
+or one chat up to its first answer, and every layer also gets modality shares:
 
     vlm-kv calibrate --model /models/Qwen2.5-VL-7B-Instruct --data testmini.jsonl \
         --images /work/shared/data/mathvision --budget 0.1 --candidates snapkv,tova,adakv \
         --windows 8 --continuation 16 --max-pixels 200704 --out strategy.json
+
+smollava on its own multi-image chats (training seed 0, as its gates were trained):
+
+    python -m vlm_kv.eval.visual_export --task multi_image --seed 0 --items 8 --out data/smollava_chats
+    vlm-kv calibrate --model smollava --data data/smollava_chats/data.jsonl --images data/smollava_chats \
+        --budget 0.1 --candidates snapkv,tova,adakv --windows 4 --continuation 8 --out strategy.json
 
 Measurements go to ``<out>.progress.json`` as they finish; rerunning the same command resumes.
 The strategy plot is written beside it (``<out without .json>.png``) unless ``--no-plot``.
@@ -58,7 +65,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(vlm_only)} apply to image data: give --images DIR")
         for path in data:
             if path.endswith(".jsonl"):
-                raise ValueError(f"{path} looks like image problems (.jsonl): give --images DIR (the folder its "
+                raise ValueError(f"{path} looks like image data (.jsonl): give --images DIR (the folder its "
                                  "image paths are relative to), or pass a plain text file")
             check_text_file(path)
     check_model(args.model)
@@ -93,7 +100,8 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="calibrate a per-layer PolyKV strategy (pattern and budget per layer)")
     p.add_argument("--model", default="smollm2", help="'smollm2' or a local model folder")
     p.add_argument("--data", required=True,
-                   help="comma-separated UTF-8 text files, or with --images MathVision-style .jsonl files")
+                   help="comma-separated UTF-8 text files, or with --images .jsonl files of MathVision-style "
+                        "problems or of conversations (messages / LLaVA style, as train-gates reads)")
     p.add_argument("--images", default=None,
                    help="image data: the folder the JSONL rows' image paths are relative to (a vision-language "
                         "model folder only); one window per problem, and every layer also gets modality shares")
