@@ -20,12 +20,22 @@ task) the row holds:
   (per item, averaged);
 * ``visual_share`` and ``visual_share_per_layer``: the share of kept entries that are image
   tokens (all layers, and per layer), averaged over items.
+
+The full cache's pass (answers, and the log-probs every KL is taken against) is the costliest
+part of a sweep process. With ``reference_dir`` it is saved there per task
+(``full_reference_<task>.pt``) and reused by any later process whose settings, model weights and
+dtype match (a mismatch recomputes and overwrites it), so a resumed or a second sweep of the same
+items (other cache settings) skips it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -111,12 +121,13 @@ class MultimodalBench:
     """Runs the generated tasks with the full cache once, then any (policy, budget) against it."""
 
     def __init__(self, model, processor, settings: MultimodalSettings, cache_kwargs: dict | None = None,
-                 progress: bool = False):
+                 progress: bool = False, reference_dir: str | os.PathLike | None = None):
         settings.validate()
         self.model, self.tokenizer = model, getattr(processor, "tokenizer", processor)
         self.settings = settings
         self.cache_kwargs = dict(cache_kwargs or {})
         self.progress = progress
+        self.reference_dir = Path(reference_dir) if reference_dir is not None else None
         self._items: dict[str, list[Item]] = {}
         self._reference: dict[str, list[tuple[list[bool], list[torch.Tensor], int]]] = {}
 
@@ -161,14 +172,51 @@ class MultimodalBench:
 
     def _full(self, task: str):
         if task not in self._reference:
-            ref = []
-            for item in self._progress(self.items(task), f"{task} full cache"):
-                hits = [answer_matches(a, q.answer) for q, a in
-                        zip(item.questions, answer(self.model, self.tokenizer, item, self.settings.max_new_tokens))]
-                logps, nbytes, _ = self._forced_logprobs(item, DynamicCache())
-                ref.append((hits, logps, nbytes))
+            ref = self._load_reference(task)
+            if ref is None:
+                ref = []
+                for item in self._progress(self.items(task), f"{task} full cache"):
+                    hits = [answer_matches(a, q.answer) for q, a in
+                            zip(item.questions, answer(self.model, self.tokenizer, item, self.settings.max_new_tokens))]
+                    logps, nbytes, _ = self._forced_logprobs(item, DynamicCache())
+                    ref.append((hits, logps, nbytes))
+                self._save_reference(task, ref)
             self._reference[task] = ref
         return self._reference[task]
+
+    # -- the full cache's pass, kept on disk ----------------------------------------------------------
+    def reference_key(self, task: str) -> str:
+        """What the full cache's pass depends on: the settings, the task, the weights and the dtype."""
+        digest = hashlib.sha256()
+        for name, param in sorted(self.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        dtype = str(next(self.model.parameters()).dtype)
+        return json.dumps({"settings": settings_dict(self.settings), "task": task, "dtype": dtype,
+                           "weights": digest.hexdigest()}, sort_keys=True, default=list)
+
+    def _reference_path(self, task: str) -> Path | None:
+        return self.reference_dir / f"full_reference_{task}.pt" if self.reference_dir is not None else None
+
+    def _load_reference(self, task: str):
+        path = self._reference_path(task)
+        if path is None or not path.is_file():
+            return None
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("key") != self.reference_key(task):
+            return None  # another model, dtype or item set: recomputed and overwritten
+        device = next(self.model.parameters()).device
+        return [(list(hits), [t.to(device) for t in logps], int(nbytes)) for hits, logps, nbytes in saved["ref"]]
+
+    def _save_reference(self, task: str, ref) -> None:
+        path = self._reference_path(task)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"key": self.reference_key(task),
+                    "ref": [(hits, [t.cpu() for t in logps], nbytes) for hits, logps, nbytes in ref]}, tmp)
+        os.replace(tmp, path)
 
     def _progress(self, seq, desc):
         if not self.progress:

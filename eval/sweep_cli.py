@@ -201,7 +201,8 @@ def cmd_multimodal(args: argparse.Namespace) -> int:
                          f"got {args.model!r}")
     kw = _cache_kwargs(args)
     model, processor = load_vlm(args.model, args.device)
-    bench = MultimodalBench(model, processor, settings, cache_kwargs=kw, progress=not args.no_progress)
+    bench = MultimodalBench(model, processor, settings, cache_kwargs=kw, progress=not args.no_progress,
+                            reference_dir=args.reference_dir or args.out)
     rows = run_multimodal_sweep(bench, args.policies, args.budgets, args.out, model_name=model_label(args.model),
                                 progress=not args.no_progress)
     header = ["task", "policy", "budget", "accuracy", "relative_accuracy", "kl", "visual_share", "kv_bytes"]
@@ -297,5 +298,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--items", type=int, default=20, help="items per task")
     g.add_argument("--tasks", type=parse_list, default=list(MULTIMODAL_TASKS),
                    help=f"comma-separated, of {', '.join(MULTIMODAL_TASKS)}")
+    g.add_argument("--reference-dir", default=None,
+                   help="folder keeping the full cache's pass per task (answers and log-probs), reused by any sweep "
+                        "of the same items, model and dtype (default: --out; name one folder to share it between "
+                        "sweeps with other cache settings)")
     p.set_defaults(func=cmd_sweep)
     return p

@@ -53,3 +53,41 @@ def test_settings_are_checked():
         MultimodalSettings(tasks=("video",)).validate()
     with pytest.raises(ValueError, match="noise"):
         MultimodalSettings(images="blank").validate()
+
+
+def test_the_full_pass_is_saved_and_reused_only_for_the_same_items_and_weights(tiny, tmp_path, monkeypatch):
+    import torch
+
+    model, processor = tiny
+    settings = MultimodalSettings(data_seed=3, items=1, tasks=("multi_turn",), max_new_tokens=2)
+    first = MultimodalBench(model, processor, settings, reference_dir=tmp_path)
+    row = first.run_task("snapkv", 0.25, "multi_turn")
+    assert (tmp_path / "full_reference_multi_turn.pt").is_file()
+    # a second process with the same items and weights: no full pass, the same row
+    again = MultimodalBench(model, processor, settings, reference_dir=tmp_path)
+    monkeypatch.setattr(again, "_forced_logprobs", _forced_once(again._forced_logprobs))
+    same = again.run_task("snapkv", 0.25, "multi_turn")
+    assert {k: v for k, v in same.items() if k != "seconds"} == {k: v for k, v in row.items() if k != "seconds"}
+    # other items, or other weights: computed again (and saved over)
+    other = MultimodalBench(model, processor, MultimodalSettings(data_seed=4, items=1, tasks=("multi_turn",),
+                                                                 max_new_tokens=2), reference_dir=tmp_path)
+    assert other._load_reference("multi_turn") is None
+    with torch.no_grad():
+        param = next(model.parameters())
+        kept = param.clone()
+        param.add_(1.0)
+        try:
+            assert MultimodalBench(model, processor, settings, reference_dir=tmp_path)._load_reference("multi_turn") is None
+        finally:
+            param.copy_(kept)
+    assert MultimodalBench(model, processor, settings, reference_dir=tmp_path)._load_reference("multi_turn") is not None
+
+
+def _forced_once(forced):
+    """The compressed cache's forced pass only: a DynamicCache (the full pass) must not be fed."""
+    from transformers import DynamicCache
+
+    def run(item, cache):
+        assert type(cache) is not DynamicCache, "the full cache's pass ran again"
+        return forced(item, cache)
+    return run
