@@ -168,7 +168,9 @@ class MultimodalBench:
             start = end
         logp = torch.cat(logits_parts)
         where = [t - 1 for t in range(1, len(labels)) if labels[t] != IGNORE]
-        return [logp[t] for t in where], _kv_bytes(cache), max_bytes
+        # a copy of the answer rows: views would keep every position's [T, vocab] log-probs alive
+        # (16 eight-image chats held 7.7 GB that way)
+        return list(logp[where]), _kv_bytes(cache), max_bytes
 
     def _full(self, task: str):
         if task not in self._reference:

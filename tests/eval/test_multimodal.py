@@ -63,6 +63,10 @@ def test_the_full_pass_is_saved_and_reused_only_for_the_same_items_and_weights(t
     first = MultimodalBench(model, processor, settings, reference_dir=tmp_path)
     row = first.run_task("snapkv", 0.25, "multi_turn")
     assert (tmp_path / "full_reference_multi_turn.pt").is_file()
+    # only the answer tokens' rows are kept (not every position's log-probs)
+    logps = [t for _, item_logps, _ in first._full("multi_turn") for t in item_logps]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in logps}
+    assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in logps)
     # a second process with the same items and weights: no full pass, the same row
     again = MultimodalBench(model, processor, settings, reference_dir=tmp_path)
     monkeypatch.setattr(again, "_forced_logprobs", _forced_once(again._forced_logprobs))
