@@ -66,20 +66,22 @@ def run_multimodal_sweep(bench: MultimodalBench, policies: Sequence[str], budget
     rows = dict(done)
     bar = tqdm(total=len(cells) * len(bench.settings.tasks), initial=len(cells) * len(bench.settings.tasks) - len(todo),
                desc="sweep multimodal", unit="row", disable=not progress)
+    mine = [row_key(p, b, t) for p, b in cells for t in bench.settings.tasks]
+    # rows of earlier runs with other policies or budgets stay in the file, after this run's
+    others = [r for r in state.get("rows", []) if row_key(r["policy"], r["budget"], r["task"]) not in mine]
     try:
         for policy, budget, task in todo:
             bar.set_postfix_str(f"{task}: {policy} @ {budget}")
             rows[row_key(policy, budget, task)] = bench.run_task(policy, budget, task)
-            ordered = [rows[row_key(p, b, t)] for p, b in cells for t in bench.settings.tasks
-                       if row_key(p, b, t) in rows]
-            _write(out, {"task": "multimodal", "settings": settings, "rows": ordered})
+            _write(out, {"task": "multimodal", "settings": settings,
+                         "rows": [rows[k] for k in mine if k in rows] + others})
             bar.update(1)
     finally:
         bar.close()
-    ordered = [rows[row_key(p, b, t)] for p, b in cells for t in bench.settings.tasks]
-    _write(out, {"task": "multimodal", "settings": settings, "rows": ordered})
+    ordered = [rows[k] for k in mine]
+    _write(out, {"task": "multimodal", "settings": settings, "rows": ordered + others})
     if plots:
-        plot_relative_accuracy(ordered, out / f"{TABLE}_accuracy.png")
+        plot_relative_accuracy(ordered + [r for r in others if not r.get("error")], out / f"{TABLE}_accuracy.png")
     return clean(ordered)
 
 

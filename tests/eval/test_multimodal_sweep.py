@@ -42,6 +42,17 @@ def test_rows_per_policy_budget_and_task_then_resume(tiny, tmp_path, monkeypatch
                                 progress=False)
 
 
+def test_a_run_with_other_budgets_keeps_the_earlier_rows(tiny, tmp_path):
+    first = MS.run_multimodal_sweep(_bench(tiny), ["snapkv"], [0.5], tmp_path, model_name="tiny", progress=False,
+                                    plots=False)
+    second = MS.run_multimodal_sweep(_bench(tiny), ["snapkv"], [0.25], tmp_path, model_name="tiny", progress=False,
+                                     plots=False)
+    assert [(r["policy"], r["budget"]) for r in second] == [("full", 1.0)] * 2 + [("snapkv", 0.25)] * 2
+    kept = json.loads((tmp_path / "sweep_multimodal.json").read_text())["rows"]
+    assert kept == second + first[2:]  # this run's rows, then the earlier run's other rows, unchanged
+    assert len((tmp_path / "sweep_multimodal.csv").read_text().splitlines()) == 1 + 6
+
+
 def test_cli_runs_the_multimodal_task(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep_cli, "is_vlm", lambda name: True)
     monkeypatch.setattr(sweep_cli, "load_vlm", lambda name, device=None: tiny)
