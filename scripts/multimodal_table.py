@@ -76,6 +76,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def questions_per_turn(settings: dict, task: str) -> list[int]:
+    """How many of the items ask a question at turn k (a chat asks 4-8), from the generator."""
+    from vlm_kv.eval.visual_tasks import make_item
+
+    counts: list[int] = []
+    for i in range(settings["items"]):
+        item = make_item(task, settings["data_seed"], i, images=settings["images"], kinds=tuple(settings["kinds"]))
+        for k in range(len(item.questions)):
+            counts += [0] * (k + 1 - len(counts))
+            counts[k] += 1
+    return counts
+
+
+def turn_table(rows: list[dict], counts: list[int]) -> str:
+    """Correct answers at turn 1 (the question the prompt held), turn 2 and turns 3 and later."""
+    head = [f"Correct answers by turn (of {counts[0]} at turn 1, {counts[1]} at turn 2, {sum(counts[2:])} at "
+            "turns 3 and later): a scorer that chooses by the question in the prompt keeps what turn 1 asks "
+            "about and may lose what later turns ask.", "",
+            "| policy | budget | turn 1 | turn 2 | turns 3+ | all |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        hits = [round(a * n) for a, n in zip(r["turn_accuracy"], counts)]
+        head.append(f"| {r['policy']} | {float(r['budget']):g} | {hits[0]} | {hits[1]} | {sum(hits[2:])} | {sum(hits)} |")
+    return "\n".join(head) + "\n"
+
+
+def _legend(axes) -> None:
+    """One legend beside the last panel for the lines of every panel (a policy may be run at one budget only)."""
+    seen: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    axes[-1].legend(list(seen.values()), list(seen), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+
+
 def plots(rows: list[dict], out: Path, task: str) -> None:
     # lazy: matplotlib is optional (the eval extra)
     import matplotlib
@@ -115,7 +149,7 @@ def plots(rows: list[dict], out: Path, task: str) -> None:
                         label=p, ls="-" if "dbtrimkv" in p else "--")
         ax.set(title=f"budget {b:g}", xlabel="turn (question number)", ylabel="accuracy")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    _legend(axes[0])
     fig.tight_layout()
     fig.savefig(out / "accuracy_per_turn.png", dpi=110)
     plt.close(fig)
@@ -130,7 +164,7 @@ def plots(rows: list[dict], out: Path, task: str) -> None:
                         ls="-" if "dbtrimkv" in p else "--")
         ax.set(title=f"budget {b:g}", xlabel="layer", ylabel="share of kept entries that are visual", ylim=(0, 1))
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    _legend(axes[0])
     fig.tight_layout()
     fig.savefig(out / "visual_share_per_layer.png", dpi=110)
     plt.close(fig)
@@ -146,6 +180,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(rows)
+    if args.task == "multi_turn":
+        text += "\n" + turn_table(rows, questions_per_turn(settings, args.task))
     (out / "table.md").write_text(text)
     (out / "rows.json").write_text(json.dumps({"settings": settings, "sources": args.folders, "rows": rows}, indent=1))
     plots(rows, out, args.task)

@@ -2,8 +2,9 @@
 # The multimodal benchmark's multi-turn table on smollava (issue 22): 16 held-out chats (data
 # seed 1), each 8 captioned images then 4-8 questions about different images, asked one turn at
 # a time on the compressed cache and answered by the model (generated, greedy). One thread; rerun
-# to resume. The uniform policies here (kivi2 keeps every entry in 2 bits at budget 1.0: its own run); dbtrimkv with smollava's gates once they ship (they are
-# the model's default, so the same folder takes them), and the tiered rows in a folder of their own.
+# to resume. Any policies (kivi2 keeps every entry in 2 bits at budget 1.0: its own run); dbtrimkv
+# takes smollava's shipped gates by default. Other cache settings (--tiers int2, --allocation-kwargs)
+# go to a folder of their own; --reference-dir DIR shares the full cache's pass between folders.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/mm_multi_turn}
