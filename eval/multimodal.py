@@ -30,6 +30,7 @@ items (other cache settings) skips it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -187,15 +188,20 @@ class MultimodalBench:
         return self._reference[task]
 
     # -- the full cache's pass, kept on disk ----------------------------------------------------------
-    def reference_key(self, task: str) -> str:
-        """What the full cache's pass depends on: the settings, the task, the weights and the dtype."""
+    @functools.cached_property
+    def _weights_digest(self) -> str:
+        # hashed once per bench (~1 s for smollava), not for every load and save
         digest = hashlib.sha256()
         for name, param in sorted(self.model.state_dict().items()):
             digest.update(name.encode())
             digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def reference_key(self, task: str) -> str:
+        """What the full cache's pass depends on: the settings, the task, the weights and the dtype."""
         dtype = str(next(self.model.parameters()).dtype)
         return json.dumps({"settings": settings_dict(self.settings), "task": task, "dtype": dtype,
-                           "weights": digest.hexdigest()}, sort_keys=True, default=list)
+                           "weights": self._weights_digest}, sort_keys=True, default=list)
 
     def _reference_path(self, task: str) -> Path | None:
         return self.reference_dir / f"full_reference_{task}.pt" if self.reference_dir is not None else None
