@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from vlm_kv.eval.multimodal import FULL, ROW_FIELDS, MultimodalBench, settings_dict
 from vlm_kv.eval.sweep_table import atomic_write, clean
+from vlm_kv.policies import policy_spec
 
 TABLE = "sweep_multimodal"
 
@@ -51,6 +52,12 @@ def run_multimodal_sweep(bench: MultimodalBench, policies: Sequence[str], budget
     """The full cache's rows and every (policy, budget, task) row of ``bench``; returns the rows."""
     if not policies or not budgets:
         raise ValueError("a sweep needs at least one policy and one budget")
+    # kvzip scores a context by having the model repeat it as text; an image cannot be read back,
+    # and a plain forward would leave it unscored (it raises mid-sweep): refuse before any cell runs
+    unreadable = [p for p in policies if p != FULL and policy_spec(p).needs_reconstruction]
+    if unreadable:
+        raise ValueError(f"{', '.join(unreadable)} scores the context by reading it back as text, which image "
+                         "contexts cannot be; the multimodal task does not run it (use --task retrieval)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = clean({**settings_dict(bench.settings), "model": model_name, "cache_kwargs": bench.cache_kwargs})

@@ -42,6 +42,14 @@ def test_rows_per_policy_budget_and_task_then_resume(tiny, tmp_path, monkeypatch
                                 progress=False)
 
 
+def test_kvzip_is_refused_before_any_cell_runs(tiny, tmp_path, monkeypatch):
+    bench = _bench(tiny)
+    monkeypatch.setattr(bench, "run_task", lambda *a: pytest.fail("a cell ran"))
+    with pytest.raises(ValueError, match="kvzip scores the context by reading it back"):
+        MS.run_multimodal_sweep(bench, ["snapkv", "kvzip"], [0.5], tmp_path, model_name="tiny", progress=False)
+    assert not (tmp_path / "sweep_multimodal.json").exists()
+
+
 def test_a_run_with_other_budgets_keeps_the_earlier_rows(tiny, tmp_path):
     first = MS.run_multimodal_sweep(_bench(tiny), ["snapkv"], [0.5], tmp_path, model_name="tiny", progress=False,
                                     plots=False)
