@@ -171,15 +171,18 @@ def _prompt_ids(tokenizer, spec: dict, ask: str = "prompt") -> dict:
 
 
 @torch.no_grad()
-def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int, reconstruct: bool = False) -> str:
+def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int, reconstruct: bool = False,
+            memo: dict | None = None) -> str:
     """Greedy answer on ``cache``. ``reconstruct`` (policy kvzip): the context (the document turn,
-    or the whole prompt but its last token) is scored by reconstruction and prefilled first."""
+    or the whole prompt but its last token) is scored by reconstruction (kept in ``memo``) and
+    prefilled first."""
     device = next(model.parameters()).device
     kwargs = {cache_kwarg(model): cache}
     input_ids = inputs["input_ids"].to(device)
     context = inputs.get("context_ids")
     if reconstruct:
-        kvzip_prefill(model, cache, (context if context is not None else input_ids[:, :-1]).to(device), tokenizer)
+        kvzip_prefill(model, cache, (context if context is not None else input_ids[:, :-1]).to(device), tokenizer,
+                      memo=memo)
     elif context is not None:  # ask="later": the document turn is prefilled (and compressed) first
         model(input_ids=context.to(device), use_cache=True, **kwargs)
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -191,11 +194,11 @@ def _answer(model, tokenizer, inputs: dict, cache, max_new_tokens: int, reconstr
 
 
 def _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, label,
-         reconstruct: bool = False) -> list[dict]:
+         reconstruct: bool = False, memo: dict | None = None) -> list[dict]:
     out = []
     for spec, enc in tqdm(list(zip(specs, inputs)), desc=label, disable=not progress, leave=False):
         cache = new_cache()
-        answer = _answer(model, tokenizer, enc, cache, max_new_tokens, reconstruct)
+        answer = _answer(model, tokenizer, enc, cache, max_new_tokens, reconstruct, memo)
         held, peak = cache_bytes(cache)
         out.append({"answer": answer, "correct": score_answer(answer, spec["code"]), "kv_bytes": held,
                     "max_kv_bytes": peak})
@@ -218,12 +221,14 @@ def retrieval(
     *,
     reference: dict | None = None,
     progress: bool = False,
+    reconstruction_memo: dict | None = None,
     **cache_kwargs,
 ) -> dict[str, Any]:
     """Planted-fact retrieval accuracy of ``policy`` at ``budget``, and relative to the full cache.
 
     ``reference``: a ``retrieval(..., policy="full")`` result with the same settings, reused
-    instead of rerunning the full cache. ``cache_kwargs`` go to ``vlm_kv.make_cache`` (``gates=``,
+    instead of rerunning the full cache. ``reconstruction_memo``: a dict kept across calls on one
+    model, so kvzip reads each context back once for every budget. ``cache_kwargs`` go to ``vlm_kv.make_cache`` (``gates=``,
     ``tiers=``, ``options=``). Returns a dict: settings,
     ``accuracy``, ``full_accuracy``, ``relative_accuracy``, ``retained``, ``agreement``,
     ``by_depth`` / ``full_by_depth`` (accuracy per depth), ``kv_bytes`` (mean held after
@@ -241,7 +246,7 @@ def retrieval(
 
     reconstruct = policy != "full" and policy_spec(policy).needs_reconstruction  # kvzip: its scoring pass first
     runs = _run(model, tokenizer, specs, inputs, new_cache, max_new_tokens, progress, f"retrieval {policy} @ {budget}",
-                reconstruct)
+                reconstruct, reconstruction_memo)
 
     if policy == "full":
         full = runs

@@ -126,6 +126,7 @@ class RetrievalTask:
         self.cache_kwargs = dict(cache_kwargs or {})
         self.progress = progress
         self._ref: dict | None = None
+        self._reconstruction: dict = {}  # kvzip's scores by context, shared by every budget of a sweep
 
     def settings(self) -> dict:
         s = self.trial_settings
@@ -150,7 +151,8 @@ class RetrievalTask:
         if self._ref is None:
             self.reference()
         r = retrieval(self.model, self.tokenizer, self.text_path, policy, budget, self.trial_settings,
-                      reference=self._ref, progress=self.progress, **self.cache_kwargs)
+                      reference=self._ref, progress=self.progress, reconstruction_memo=self._reconstruction,
+                      **self.cache_kwargs)
         return _strip_policy(r)
 
 

@@ -116,3 +116,23 @@ def test_full_budget_answers_as_the_full_cache_and_misuse_fails_closed(llama):
         kvzip_prefill(model, cache, ids, tok)
     with pytest.raises(ValueError, match="policy 'kvzip'"):
         kvzip_prefill(model, vlm_kv.make_cache(model, "snapkv", 0.3), ids, tok)
+
+
+def test_a_memo_reads_each_context_back_once(llama, monkeypatch):
+    import vlm_kv.reconstruction as R
+
+    model, tok = llama
+    ids = random_tokens(30, seed=5)
+    memo: dict = {}
+    kvzip_prefill(model, vlm_kv.make_cache(model, "kvzip", 0.3), ids, tok, memo=memo)
+    first = next(iter(memo.values()))
+    def read_back_again(*args, **kwargs):
+        raise RuntimeError("read back again")
+
+    monkeypatch.setattr(R, "reconstruction_scores", read_back_again)
+    cache = vlm_kv.make_cache(model, "kvzip", 0.5)
+    kvzip_prefill(model, cache, ids, tok, memo=memo)
+    assert len(memo) == 1 and cache.scorer.scores_by_position[0] is not None
+    torch.testing.assert_close(cache.scorer.scores_by_position[0], first[0].float())
+    with pytest.raises(RuntimeError, match="read back again"):  # another layout is another entry
+        kvzip_prefill(model, vlm_kv.make_cache(model, "kvzip", 0.5), ids, tok, ReadBack(chunk=8), memo=memo)

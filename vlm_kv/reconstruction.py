@@ -187,15 +187,24 @@ def reconstruction_scores(model, input_ids: torch.Tensor, plan: list[ReadChunk],
 
 @torch.no_grad()
 def kvzip_prefill(model, cache: CompressedCache, input_ids: torch.Tensor, tokenizer,
-                  read_back: ReadBack = ReadBack()) -> None:
+                  read_back: ReadBack = ReadBack(), memo: dict | None = None) -> None:
     """Score ``input_ids`` by reconstruction, then prefill them into ``cache`` (a ``kvzip`` cache,
-    empty), which keeps the top entries by those scores."""
+    empty), which keeps the top entries by those scores.
+
+    ``memo``: a dict the caller keeps for one model; scores are stored there by context and
+    read-back layout, so the same context at another budget is not read back again (a sweep)."""
     scorer = getattr(cache, "scorer", None)
     if not isinstance(cache, CompressedCache) or not isinstance(scorer, KVzipScorer):
         raise ValueError("kvzip_prefill fills a cache made with policy 'kvzip'")
     if not cache.is_empty():
         raise ValueError("kvzip_prefill compresses a context entering an empty cache; this cache already holds tokens")
-    plan = plan_read_back(tokenizer, input_ids, read_back)
-    scorer.load_scores(reconstruction_scores(model, input_ids, plan, sinks=scorer.num_sinks,
-                                             local_softmax=read_back.local_softmax))
+    key = (tuple(input_ids.shape), input_ids.cpu().numpy().tobytes(), read_back, scorer.num_sinks)
+    scores = memo.get(key) if memo is not None else None
+    if scores is None:
+        plan = plan_read_back(tokenizer, input_ids, read_back)
+        scores = reconstruction_scores(model, input_ids, plan, sinks=scorer.num_sinks,
+                                       local_softmax=read_back.local_softmax)
+        if memo is not None:
+            memo[key] = scores
+    scorer.load_scores(scores)
     model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
