@@ -22,8 +22,10 @@ from pathlib import Path
 ITEM_KEYS = ("model", "data_seed", "items", "tasks", "images", "kinds", "max_new_tokens")
 
 
-def load(folders: list[str], task: str) -> tuple[list[dict], dict]:
+def load(folders: list[str], task: str) -> tuple[list[dict], dict, list[dict]]:
+    """(the full cache's row then every policy's, the items' settings, the rows that refused to run)."""
     rows: list[dict] = []
+    refused: list[dict] = []
     first_settings = None
     full = None
     for spec in folders:
@@ -35,7 +37,10 @@ def load(folders: list[str], task: str) -> tuple[list[dict], dict]:
         elif settings != first_settings:
             raise SystemExit(f"{folder} swept other items: {settings} vs {first_settings}")
         for r in state["rows"]:
-            if r["task"] != task or r.get("error"):
+            if r["task"] != task:
+                continue
+            if r.get("error"):
+                refused.append({**r, "policy": r["policy"] + label})
                 continue
             if r["policy"] == "full":
                 if full is not None and abs(full["accuracy"] - r["accuracy"]) > 1e-9:
@@ -45,18 +50,18 @@ def load(folders: list[str], task: str) -> tuple[list[dict], dict]:
             rows.append({**r, "policy": r["policy"] + label})
     if full is None:
         raise SystemExit(f"no full-cache row for task {task} in {folders}")
-    return [full, *rows], first_settings
+    return [full, *rows], first_settings, refused
 
 
 def fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], refused: list[dict] = ()) -> str:
     full, rest = rows[0], rows[1:]
-    budgets = sorted({float(r["budget"]) for r in rest})
-    policies = list(dict.fromkeys(r["policy"] for r in rest))
-    cell = {(r["policy"], float(r["budget"])): r for r in rest}
+    budgets = sorted({float(r["budget"]) for r in [*rest, *refused]})
+    policies = list(dict.fromkeys(r["policy"] for r in [*rest, *refused]))
+    cell = {(r["policy"], float(r["budget"])): r for r in [*refused, *rest]}  # a row that ran wins
     head = "| policy | " + " | ".join(f"{b:g}: rel. acc. (visual share, KL, bytes)" for b in budgets) + " |"
     lines = [f"Full cache: accuracy {full['accuracy']:.3f} over {full['items']} items "
              f"({full['full_kv_bytes'] / 2**20:.1f} MiB of KV per item at the end, mean). Bytes below: the most "
@@ -69,10 +74,18 @@ def table(rows: list[dict]) -> str:
             if r is None:
                 parts.append("not run")
                 continue
+            if r.get("error"):
+                parts.append("refused (below)")
+                continue
             ratio = r["max_kv_bytes"] / r["full_kv_bytes"] if r.get("full_kv_bytes") else None
             parts.append(f"**{fmt(r['relative_accuracy'])}** ({fmt(r.get('visual_share'))}, "
                          f"{fmt(r.get('kl'), '.3f')}, {fmt(ratio)}x)")
         lines.append(f"| {p} | " + " | ".join(parts) + " |")
+    ran = {(r["policy"], float(r["budget"])) for r in rest}
+    notes = [f"- {r['policy']} at {float(r['budget']):g}: {r['error']}" for r in refused
+             if (r["policy"], float(r["budget"])) not in ran]
+    if notes:
+        lines += ["", "Refused (the policy said why):", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -176,10 +189,10 @@ def main() -> None:
     ap.add_argument("--task", default="multi_turn")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows, settings = load(args.folders, args.task)
+    rows, settings, refused = load(args.folders, args.task)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
+    text = table(rows, refused)
     if args.task == "multi_turn":
         text += "\n" + turn_table(rows, questions_per_turn(settings, args.task))
     (out / "table.md").write_text(text)
