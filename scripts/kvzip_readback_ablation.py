@@ -18,6 +18,14 @@ Per trial the scores are computed once and every budget reuses them (they do not
 the context turn is prefilled into a ``kvzip`` cache, the question turn follows and up to 16 tokens
 are generated greedily, scored like ``vlm-kv sweep --task retrieval``. Resumable: a variant already
 in ``--out`` is skipped.
+
+``--accounting`` says what a budget b is a share of. ``cache`` (vlm-kv's, as in every sweep): the
+whole cache, so once the question and the answer are in, the cache holds b of everything and the
+protected question and answer tokens leave fewer context entries (at 0.05 on a 1087-token context,
+about 27 a head instead of 54). ``context`` (kvpress's: its compression ratio applies to the context
+when it is compressed, and what follows is added on top): a token budget per head of
+``round(b x context) + question tokens + 16``, so the context keeps b of itself to the end. The
+variant's key in the JSON gets ``@context``.
 """
 
 from __future__ import annotations
@@ -48,9 +56,11 @@ MAX_NEW = 16
 
 
 @torch.no_grad()
-def answer(model, tok, trial: dict, scores: list[torch.Tensor], budget: float) -> tuple[str, float]:
+def answer(model, tok, trial: dict, scores: list[torch.Tensor], budget: float, accounting: str) -> tuple[str, float]:
     ids = torch.tensor([trial["input_ids"]])
     ctx = torch.tensor([trial["context_ids"]])
+    if accounting == "context":  # b of the context, then the question and the answer on top
+        budget = round(budget * ctx.shape[1]) + ids.shape[1] - ctx.shape[1] + MAX_NEW
     cache = vlm_kv.make_cache(model, "kvzip", budget)
     cache.scorer.load_scores(scores)
     arg = {cache_kwarg(model): cache}
@@ -66,6 +76,7 @@ def main() -> None:
     p.add_argument("--trials", required=True)
     p.add_argument("--budgets", default="0.05,0.1,0.25")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--accounting", choices=("cache", "context"), default="cache")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -82,7 +93,8 @@ def main() -> None:
             done = json.load(fh).get("variants", {})
     model, tok = load_smollm2()
     for name in names:
-        if name in done:
+        key = name if args.accounting == "cache" else f"{name}@context"
+        if key in done:
             continue
         settings = VARIANTS[name]
         t0 = time.perf_counter()
@@ -92,14 +104,15 @@ def main() -> None:
             plan = plan_read_back(tok, ctx, settings)
             scores = reconstruction_scores(model, ctx, plan, local_softmax=settings.local_softmax)
             for budget in budgets:
-                text, held = answer(model, tok, trial, scores, budget)
+                text, held = answer(model, tok, trial, scores, budget, args.accounting)
                 records.append({"depth": trial["depth"], "trial": trial["trial"], "budget": budget,
                                 "code": str(trial["code"]), "answer": text,
                                 "correct": score_answer(text, str(trial["code"])), "kv_bytes": held})
         by_budget = {str(b): sum(r["correct"] for r in records if r["budget"] == b) for b in budgets}
-        done[name] = {"read_back": dataclasses.asdict(settings), "correct": by_budget, "n": len(trials),
+        done[key] = {"read_back": dataclasses.asdict(settings), "accounting": args.accounting,
+                     "correct": by_budget, "n": len(trials),
                       "seconds": round(time.perf_counter() - t0, 1), "records": records}
-        print(name, by_budget, f"of {len(trials)}", flush=True)
+        print(key, by_budget, f"of {len(trials)}", flush=True)
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".tmp", "w", encoding="utf-8") as fh:
             json.dump({"trials_file": args.trials, "budgets": budgets, "max_new_tokens": MAX_NEW,
