@@ -79,6 +79,8 @@ def test_bench_checks_budgets_and_policies_before_timing(capsys, no_model_load):
     assert "unknown policy 'nope'" in capsys.readouterr().err
     assert main(["bench", "--contexts", "64", "--repeats", "0", "--interleave"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--contexts", "64", "--evict-every", "0"]) == 2
+    assert "--evict-every must be >= 1" in capsys.readouterr().err
 
 
 def test_demo_checks_budget_and_policy_first(capsys, no_model_load):
@@ -91,15 +93,17 @@ def test_demo_checks_budget_and_policy_first(capsys, no_model_load):
 def test_bench_json_rows_have_the_documented_keys(capsys, monkeypatch, smollm2):
     monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: smollm2)
     code = main(["bench", "--contexts", "96", "--policies", "snapkv", "--budgets", "0.5", "--steps", "3",
-                 "--repeats", "1", "--prefill-chunk", "48", "--json", "--in-process"])
+                 "--repeats", "1", "--prefill-chunk", "48", "--evict-every", "2", "--json", "--in-process"])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["policy"] for r in rows] == ["full", "snapkv"]
     keys = {"policy", "budget", "context", "prefill_chunk", "prefill_s", "decode_ms_per_token", "tokens_per_s",
-            "evict_share", "peak_kv_bytes_prefill", "peak_kv_bytes_decode", "peak_memory_bytes", "device", "dtype"}
+            "evict_share", "peak_kv_bytes_prefill", "peak_kv_bytes_decode", "peak_memory_bytes", "device", "dtype",
+            "evict_every"}
     assert all(set(r) == keys for r in rows)
     full, snap = rows
     assert snap["prefill_chunk"] == 48 and full["prefill_chunk"] is None
+    assert snap["evict_every"] == 2 and full["evict_every"] is None
     # chunked prefill holds about budget + chunk, far below the full cache's 96 tokens
     assert snap["peak_kv_bytes_prefill"] < full["peak_kv_bytes_prefill"]
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in rows)

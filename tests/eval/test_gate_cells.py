@@ -37,3 +37,14 @@ def test_cell_keys_tell_passages_apart():
     row = dict(parse_cell("s:dbtrimkv:0.1"), dtype="float32", text="pg84.txt", context=2048, continuation=128)
     assert cell_key(dict(row, offset=100000)) != cell_key(dict(row, offset=175000))
     assert cell_key(dict(row, offset=100000)) == cell_key(dict(row, offset=100000))
+
+
+def test_cells_take_the_eviction_interval_into_the_cache_options():
+    from vlm_kv.eval.gate_cells import cell_cache_kwargs
+
+    c = parse_cell("e:dbtrimkv:0.1:tiers=int2,evict_every=16")
+    assert c["cache_kwargs"] == {"tiers": "int2", "evict_every": 16}
+    kwargs = cell_cache_kwargs(c)
+    assert kwargs["options"].evict_every == 16 and kwargs["tiers"] == "int2"
+    assert cell_cache_kwargs(parse_cell("e:dbtrimkv:0.1:tiers=int2"))["options"].evict_every is None
+    assert cell_key(c) != cell_key(parse_cell("e:dbtrimkv:0.1:tiers=int2"))

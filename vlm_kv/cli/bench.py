@@ -48,6 +48,7 @@ class BenchRow:
     peak_memory_bytes: int
     device: str
     dtype: str
+    evict_every: int | None = None  # decode steps between the cache's eviction steps (None: DynamicCache)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -157,6 +158,7 @@ def run_one(model, ids: torch.Tensor, context: int, steps: int, repeats: int, fa
         decode_ms_per_token=ms, tokens_per_s=1000.0 / ms, evict_share=evict_share,
         peak_kv_bytes_prefill=int(peak_prefill), peak_kv_bytes_decode=int(peak_decode),
         peak_memory_bytes=int(memory.peak), device=device.type, dtype=str(dtype).replace("torch.", ""),
+        evict_every=getattr(cache, "evict_every", None),
     )
 
 
@@ -210,9 +212,11 @@ class BenchPlan:
     strategy: str | None = None
     tiers: str | dict | None = None
     layerwise_prefill: bool = True
+    evict_every: int | None = None
 
     def options(self) -> CacheOptions:
-        return CacheOptions(prefill_chunk=self.prefill_chunk, layerwise_prefill=self.layerwise_prefill)
+        return CacheOptions(prefill_chunk=self.prefill_chunk, layerwise_prefill=self.layerwise_prefill,
+                            evict_every=self.evict_every)
 
     def runs(self) -> list[tuple[int, str, float | None]]:
         return planned_runs(list(self.contexts), list(self.policies), list(self.budgets))
@@ -279,6 +283,7 @@ def median_row(rows: list[BenchRow]) -> BenchRow:
         peak_kv_bytes_prefill=max(r.peak_kv_bytes_prefill for r in rows),
         peak_kv_bytes_decode=max(r.peak_kv_bytes_decode for r in rows),
         peak_memory_bytes=max(r.peak_memory_bytes for r in rows), device=rows[0].device, dtype=rows[0].dtype,
+        evict_every=rows[0].evict_every,
     )
 
 

@@ -100,6 +100,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.steps < 1 or args.repeats < 1:
         raise ValueError(f"--steps and --repeats must be >= 1, got {args.steps} and {args.repeats}")
+    if args.evict_every is not None and args.evict_every < 1:
+        raise ValueError(f"--evict-every must be >= 1, got {args.evict_every}")
     if args.strategy and "polykv" not in policies:
         raise ValueError("--strategy is for policy 'polykv'; add polykv to --policies")
     check_text_file(args.text)
@@ -107,7 +109,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_model(args.model)
     plan = BenchPlan(tuple(contexts), tuple(policies), tuple(budgets), text_path=args.text, steps=args.steps,
                      repeats=args.repeats, prefill_chunk=args.prefill_chunk, strategy=args.strategy,
-                     tiers=tier_kwargs(args).get("tiers"), layerwise_prefill=not args.prefill_at_end)
+                     tiers=tier_kwargs(args).get("tiers"), layerwise_prefill=not args.prefill_at_end,
+                     evict_every=args.evict_every)
     for policy in policies:  # DynamicCache runs anyway; "full" takes no budget
         strategy = plan.strategy if policy == "polykv" else None
         for budget in budgets if policy != "full" else ():
@@ -215,7 +218,7 @@ def _add_diagnose_parser(sub) -> None:
     p.add_argument("--horizon", type=int, default=32, help="decode steps after each event that FMM and LIR look at")
     p.add_argument("--window", type=int, default=8, help="tokens per window (window id = position // window)")
     p.add_argument("--lir-m", type=int, default=2, help="consecutive events out of full precision before a window counts as latent")
-    p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
+    p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default: 16, or the tier window with --tiers)")
     add_tier_args(p, window=False)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -251,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--continuation", type=int, required=True, help="tokens fed one at a time after the prefill")
     p.add_argument("--policy", required=True)
     p.add_argument("--budget", required=True, help=BUDGET_HELP)
-    p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default 16)")
+    p.add_argument("--evict-every", type=int, default=None, help="decode steps between eviction steps (default: 16, or the tier window with --tiers)")
     p.add_argument("--gates", default=None, help="gate folder for trimkv/dbtrimkv (default: the gates shipped for the model)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the context in chunks of N tokens, evicting between chunks")
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for SmolLM2)")
@@ -270,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-at-end", action="store_true",
                    help="evict / route a prompt in one step at the end of its forward, not layer by layer "
                         "(CacheOptions.layerwise_prefill=False; the same entries, more memory during the prefill)")
+    p.add_argument("--evict-every", type=int, default=None,
+                   help="decode steps between eviction steps (default: 16, or the tier window with --tiers)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (the median is reported)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
