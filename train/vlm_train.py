@@ -52,7 +52,7 @@ from vlm_kv.eval.visual_tasks import (
     draw_scene,
     make_item,
 )
-from vlm_kv.models.lora import LoRADelta, LoRASpec, attach_lora, load_lora_state, lora_state
+from vlm_kv.models.lora import LoRADelta, LoRASpec, attach_lora, grow_lora, load_lora_state, lora_state
 from vlm_kv.models.smollava import (
     LORA_FILE,
     WEIGHTS_FILE,
@@ -97,6 +97,8 @@ class VLMTrainConfig:
                              "tower (0: the LM stays exactly SmolLM2)")
     lora_alpha: float = setting(16.0, "adapter scale numerator (the update is alpha / rank * B A)")
     lora_targets: str = setting("q_proj,k_proj,v_proj,o_proj", "comma-separated LM linear layers that get adapters")
+    lora_grow: bool = setting(False, "with --stage1-weights whose adapters are smaller (lower rank, fewer targets): "
+                              "start this run's adapters from them, same model at the first step")
     lora_lr_mult: float = setting(5.0, "the adapters' learning rate as a multiple of the stage's rate")
     threads: int = setting(0, "torch threads (0: torch's default)")
     stop_at: int = setting(0, "stop after this many steps in all, checkpointed (0: run to the end)")
@@ -124,6 +126,9 @@ class VLMTrainConfig:
             self.lora_spec  # noqa: B018 -- builds (and so checks) the spec
             if self.lora_alpha <= 0 or self.lora_lr_mult <= 0:
                 raise ValueError("lora_alpha and lora_lr_mult must be > 0")
+        if self.lora_grow and not (self.lora_rank and self.stage1_weights):
+            raise ValueError("lora_grow starts larger adapters from --stage1-weights: it needs both --lora-rank "
+                             "and --stage1-weights")
 
     @property
     def lora_spec(self) -> LoRASpec | None:
@@ -323,7 +328,10 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
         load_trained_parts(model, cfg.stage1_weights, with_lora=False)
         saved = read_lora(cfg.stage1_weights)
         if saved is not None:
-            _restore_adapters(adapters, saved[0], saved[1].to_dict(), spec, Path(cfg.stage1_weights))
+            if cfg.lora_grow and spec is not None:
+                grow_lora(adapters, spec, *saved)
+            else:
+                _restore_adapters(adapters, saved[0], saved[1].to_dict(), spec, Path(cfg.stage1_weights))
         done = max(cfg.patch_steps, int(_card(cfg.stage1_weights).get("done", 0)))
         if done > cfg.patch_steps:
             rewarm_from = done

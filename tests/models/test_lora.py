@@ -4,7 +4,15 @@ import pytest
 import torch
 from torch import nn
 
-from vlm_kv.models.lora import LoRASpec, attach_lora, detach_lora, load_lora_state, lora_state, merge_lora
+from vlm_kv.models.lora import (
+    LoRASpec,
+    attach_lora,
+    detach_lora,
+    grow_lora,
+    load_lora_state,
+    lora_state,
+    merge_lora,
+)
 
 
 class Block(nn.Module):
@@ -81,3 +89,29 @@ def test_fail_closed():
     with pytest.raises(ValueError, match="rank"):
         LoRASpec(rank=0)
     assert LoRASpec.from_dict(SPEC.to_dict()) == SPEC
+
+
+def test_grown_adapters_compute_what_the_smaller_ones_did():
+    small, x = _model(), torch.randn(5, 8)
+    adapters = attach_lora(small, SPEC)
+    with torch.no_grad():
+        for delta in adapters.values():
+            delta.B.normal_()
+    before = small[1](small[0](x)[..., :8])
+    big_spec = LoRASpec(rank=3, alpha=9.0, targets=("q_proj", "v_proj", "mlp"))  # scale 3, not 2
+    big = _model()
+    grown = attach_lora(big, big_spec)
+    grow_lora(grown, big_spec, lora_state(adapters), SPEC)
+    torch.testing.assert_close(big[1](big[0](x)[..., :8]), before)
+    assert grown["0.mlp"].B.abs().sum() == 0 and grown["0.q_proj"].B[:, 2:].abs().sum() == 0
+    assert grown["0.q_proj"].A[2:].abs().sum() > 0  # the new rows can learn once B moves
+
+
+def test_growing_refuses_what_would_change_the_model():
+    state = lora_state(attach_lora(_model(), SPEC))
+    for spec in (LoRASpec(rank=1, alpha=2.0, targets=SPEC.targets), LoRASpec(rank=2, alpha=4.0, targets=("q_proj",))):
+        with pytest.raises(ValueError, match="cannot grow"):
+            grow_lora(attach_lora(_model(), spec), spec, state, SPEC)
+    partial = {k: v for k, v in state.items() if not k.startswith("1.")}
+    with pytest.raises(ValueError, match="missing"):
+        grow_lora(attach_lora(_model(), SPEC), SPEC, partial, SPEC)

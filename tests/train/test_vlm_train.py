@@ -97,6 +97,7 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
                                         (dict(qa_batch=0), "qa_batch"), (dict(lm_dtype="int8"), "lm_dtype"),
                                         (dict(lora_rank=-1), "lora_rank"), (dict(lora_rank=2, lora_targets=","), "target"),
                                         (dict(lora_rank=2, lora_alpha=0.0), "lora_alpha"),
+                                        (dict(lora_rank=2, lora_grow=True), "lora_grow"),
                                         (dict(multi_questions=3, multi_images="2,4"), "multi_questions")])
 def test_config_is_checked(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
@@ -202,3 +203,21 @@ def test_lora_and_plain_runs_do_not_mix(tokenizer, tmp_path):
     # a plain export over a folder that had adapters drops them (they belong to another tower)
     V.export_checkpoint(tmp_path / "plain", tmp_path / "exp")
     assert S.read_lora(tmp_path / "exp") is None
+
+
+def test_larger_adapters_grow_from_an_export_and_start_as_the_same_model(tokenizer, tmp_path):
+    model, proc = _tiny(tokenizer)
+    V.train_vlm(_cfg(tmp_path / "lora", stop_at=3, lora_rank=2, lora_targets="q_proj,v_proj"), model, proc)
+    V.export_checkpoint(tmp_path / "lora", tmp_path / "exp")
+    grown = dict(stage1_weights=str(tmp_path / "exp"), lora_rank=4, lora_targets="q_proj,v_proj,o_proj,up_proj",
+                 lora_grow=True)
+    model_b, proc_b = _tiny(tokenizer)  # the same frozen LM; the tower and adapters come from the export
+    V.train_vlm(_cfg(tmp_path / "grown", stop_at=3, **grown), model_b, proc_b)  # no step yet: loaded only
+    shipped, _ = _tiny(tokenizer)
+    S.load_trained_parts(shipped, tmp_path / "exp")
+    ids = torch.tensor([[1, 504, 3458, 314, 253]])
+    with torch.no_grad():
+        torch.testing.assert_close(model_b(input_ids=ids).logits, shipped(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert len(_adapters(model_b)) == 8  # two layers x four targets
+    with pytest.raises(ValueError, match="differs"):  # without --lora-grow a larger spec is refused
+        V.train_vlm(_cfg(tmp_path / "n", **{**grown, "lora_grow": False}), *_tiny(tokenizer))

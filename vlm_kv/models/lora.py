@@ -125,6 +125,27 @@ def load_lora_state(adapters: dict[str, LoRADelta], state: dict[str, torch.Tenso
 
 
 @torch.no_grad()
+def grow_lora(adapters: dict[str, LoRADelta], spec: LoRASpec, state: dict[str, torch.Tensor],
+              saved: LoRASpec) -> None:
+    """Start larger adapters (``spec``) from smaller trained ones (``saved``) so that the model
+    computes exactly what it did: each saved layer's ``A`` fills the first ``saved.rank`` rows, its
+    ``B`` (rescaled by ``saved.scale / spec.scale``) the first columns, the other columns of ``B``
+    stay zero; layers the saved adapters did not cover start fresh (``B`` = 0). Refuses a spec that
+    drops a saved target or lowers the rank: that would change the model."""
+    if spec.rank < saved.rank or not set(saved.targets) <= set(spec.targets):
+        raise ValueError(f"cannot grow LoRA adapters {saved.to_dict()} into {spec.to_dict()}: the rank may only "
+                         "rise and every saved target must stay")
+    covered = {name for name in adapters if name.rsplit(".", 1)[-1] in saved.targets}
+    _check_keys(covered, state)
+    ratio = saved.scale / spec.scale
+    for name in covered:
+        delta = adapters[name]
+        delta.A[: saved.rank].copy_(state[f"{name}.A"])
+        delta.B.zero_()
+        delta.B[:, : saved.rank].copy_(state[f"{name}.B"] * ratio)
+
+
+@torch.no_grad()
 def merge_lora(module: nn.Module, state: dict[str, torch.Tensor], spec: LoRASpec) -> int:
     """Add ``scale * B @ A`` to each target layer's weight in place (computed in float32, stored
     in the weight's dtype); returns the number of layers changed. Every target must have its
@@ -143,4 +164,4 @@ def merge_lora(module: nn.Module, state: dict[str, torch.Tensor], spec: LoRASpec
     return len(layers)
 
 
-__all__ = ["LoRASpec", "LoRADelta", "attach_lora", "detach_lora", "lora_state", "load_lora_state", "merge_lora"]
+__all__ = ["LoRASpec", "LoRADelta", "attach_lora", "detach_lora", "grow_lora", "lora_state", "load_lora_state", "merge_lora"]
