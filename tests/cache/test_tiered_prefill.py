@@ -81,17 +81,62 @@ def test_each_chunk_is_routed_layer_by_layer_with_the_same_result():
     assert chunked.peak_kv_bytes < at_end.peak_kv_bytes
 
 
-def test_a_global_ranking_routes_at_the_end_of_the_forward():
-    model = tiny_model("llama", num_layers=3)
-    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(6))
+def _gated(model, budget, layerwise, gates, **options):
+    return vlm_kv.make_cache(model, policy="dbtrimkv", budget=budget, tiers="int2", gates=gates,
+                             options=CacheOptions(layerwise_prefill=layerwise, **options))
+
+
+def _counters(cache):
+    return [dataclasses.asdict(layer.tier.counters) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("budget,chunk", [(0.1, None), (0.25, None), (0.15, 50)])
+def test_a_global_ranking_sends_what_can_no_longer_be_fp_to_int2_early_with_the_same_result(budget, chunk):
+    model = tiny_model("llama", num_layers=4)
     gates = vlm_kv.testing.tiny_gates(model)
-    caches = [vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, tiers="int2", gates=gates,
-                                options=CacheOptions(layerwise_prefill=flag)) for flag in (True, False)]
-    logits = [model(input_ids=ids, cache=cache).logits for cache in caches]
-    assert torch.equal(logits[0], logits[1])
-    _assert_same_tiers(*caches)
-    # one ranking over every layer: the whole prompt is held until the forward ends
-    assert caches[0].peak_kv_bytes == caches[1].peak_kv_bytes == caches[0].full_kv_bytes()
+    inputs = tiny_inputs(model, batch_size=2, num_images=0, text_len=140, left_pad=7)
+    feed = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    early, at_end = (_gated(model, budget, flag, gates, prefill_chunk=chunk) for flag in (True, False))
+    assert torch.equal(model(**feed, cache=early).logits, model(**feed, cache=at_end).logits)
+    _assert_same_tiers(early, at_end)
+    assert _counters(early) == _counters(at_end)
+    assert early.evicted_entries == at_end.evicted_entries and early.eviction_steps == at_end.eviction_steps
+    assert early.kv_bytes() == at_end.kv_bytes()
+    # the whole prompt (or chunk) no longer sits in every layer until the event
+    assert early.peak_kv_bytes < at_end.peak_kv_bytes
+    if chunk is None:
+        assert at_end.peak_kv_bytes == at_end.full_kv_bytes()
+    # decoding goes on identically
+    kwargs = dict(**inputs, max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    out_a = model.generate(**kwargs, cache=_gated(model, budget, True, gates, prefill_chunk=chunk))
+    out_b = model.generate(**kwargs, cache=_gated(model, budget, False, gates, prefill_chunk=chunk))
+    assert torch.equal(out_a.sequences, out_b.sequences)
+    assert torch.equal(torch.stack(out_a.logits), torch.stack(out_b.logits))
+
+
+def test_a_global_ranking_with_more_layers_holds_less_at_its_peak():
+    # with many layers the FP copies kept are about the budget's: the peak falls well below the prompt
+    model = tiny_model("llama", num_layers=8)
+    gates = vlm_kv.testing.tiny_gates(model)
+    ids = torch.randint(16, 200, (1, 256), generator=torch.Generator().manual_seed(8))
+    early, at_end = (_gated(model, 0.1, flag, gates) for flag in (True, False))
+    assert torch.equal(model(input_ids=ids, cache=early).logits, model(input_ids=ids, cache=at_end).logits)
+    _assert_same_tiers(early, at_end)
+    assert early.peak_kv_bytes < 0.6 * at_end.peak_kv_bytes
+
+
+def test_a_failed_global_prefill_empties_the_cache_it_started_with():
+    model = tiny_model("llama", num_layers=3)
+    gates = vlm_kv.testing.tiny_gates(model)
+    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(5))
+    cache = _gated(model, 0.2, True, gates)
+    with attention_fails_at_call(model, 3), pytest.raises(RuntimeError, match="boom"):  # layer 2: 0, 1 demoted
+        model(input_ids=ids, cache=cache)
+    assert cache.get_seq_length() == 0 and cache.num_entries() == 0
+    ref = _gated(model, 0.2, False, gates)
+    assert torch.equal(model(input_ids=ids, cache=cache).logits, model(input_ids=ids, cache=ref).logits)
+    _assert_same_tiers(cache, ref)
 
 
 def test_a_failure_after_some_layers_were_routed_empties_the_cache():

@@ -176,8 +176,9 @@ class CompressedCache(Cache):
         Only a call that started on an empty cache does this (a prompt, or each chunk of a prompt
         fed in chunks): if it fails half-way, undoing it means emptying the cache, and nothing
         held before the call is lost. A new turn on a non-empty cache evicts at the end of its
-        forward (``prefill_chunk`` bounds what it holds meanwhile), as does a tiered cache under a
-        global allocation (its ranking spans every layer)."""
+        forward (``prefill_chunk`` bounds what it holds meanwhile). A tiered cache under a global
+        allocation (its ranking spans every layer) routes at the end too, but sends each layer's
+        entries that can no longer be FP to INT2 as soon as it has run (``vlm_kv.tiers.global_prefill``)."""
         if self._evicts_at_end:
             return
         start = time.perf_counter()

@@ -146,7 +146,7 @@ class EntryRouter:
             flat = (row_id * Wn + wid).reshape(-1)
             valid = r.valid.reshape(-1)
             scores = r.scores.reshape(-1)
-            pinned = valid & ((scores == float("inf")) | r.incomplete(wid, layer.seen).reshape(-1))
+            pinned = r.forced(layer.seen).reshape(-1)
             idx = torch.nonzero(valid).flatten()
             parts.append(EntryRecords(
                 group=groups_of_rows[flat[idx] // Wn], score=scores[idx], win=flat[idx] + offset, forced=pinned[idx],
@@ -154,7 +154,11 @@ class EntryRouter:
             ))
             ledger = torch.zeros(size, dtype=torch.bool, device=device)
             if len(layer.tier):
-                ledger[layer.tier.row * Wn + layer.tier.window_id] = True
+                ledger[r.window_keys(layer.tier)] = True
+            if r.provisional is not None:
+                # quantized early in this event from every entry they hold, as a fresh window would be:
+                # charged as fresh (one window if INT2), not as ledgered ones
+                ledger &= ~r.provisional
             win_group.append(groups_of_rows[torch.arange(size, device=device) // Wn])
             win_ledger.append(ledger)
             offsets.append(offset)
@@ -292,7 +296,11 @@ class EntryRouter:
         if n:
             has_fp[slot[promote] // w] = True
         active = (new_pos >= 0).any(dim=1)
-        keep = (active | has_fp) & ~fallback.reshape(-1)[tier.row] if n else active
+        # a window quantized early in this event exists only because this event sends some of its
+        # entries to INT2: it stays if one is (a ledgered window also stays dormant for its FP ones)
+        provisional = r.provisional[r.window_keys(tier)] if r.provisional is not None and n else None
+        dormant_ok = has_fp if provisional is None else has_fp & ~provisional
+        keep = (active | dormant_ok) & ~fallback.reshape(-1)[tier.row] if n else active
 
         # fresh windows: quantized from every entry they still hold (FP ones too, so that those can be
         # demoted later through the same codes); only the demoted slots are attended
@@ -316,13 +324,20 @@ class EntryRouter:
             tier.counters.quantized += len(fresh_key)
             tier.counters.demotions += len(fresh_key)
         if bool(reused.any()):
-            touched = torch.unique(li[reused]).numel()  # windows taking entries back through their stored codes
-            tier.counters.ledger_reuses += touched
-            tier.counters.demotions += touched
+            touched = torch.unique(li[reused])  # windows taking entries back through their stored codes
+            if provisional is not None:
+                touched = touched[~provisional[touched]]
+            tier.counters.ledger_reuses += touched.numel()
+            tier.counters.demotions += touched.numel()
         insert = _promoted_slots(tier, slot[promote], store.state_names)
         if n:
             tier.counters.promotions += int(torch.unique(slot[promote] // w).numel())
-            tier.counters.evicted_windows += int((tier.active & ~keep).sum())
+            if provisional is None:
+                tier.counters.evicted_windows += int((tier.active & ~keep).sum())
+            else:  # the early windows this event keeps count as the fresh quantizations they stand for
+                tier.counters.evicted_windows += int((tier.active & ~keep & ~provisional).sum())
+                tier.counters.quantized += int((keep & provisional).sum())
+                tier.counters.demotions += int((keep & provisional).sum())
         kept = torch.nonzero(keep).flatten()
         refreshed = None
         if kept.numel():

@@ -42,6 +42,9 @@ class LayerRouting:
     origin: torch.Tensor           # [B] position of each sequence's first real token: where its windows start
     window: int                    # tokens per window
     budget_fraction: torch.Tensor  # [B] float64: each sequence's capacity over its real tokens
+    # [B * H * Wn] windows quantized early in this event (a global ranking's prefill, see
+    # vlm_kv.tiers.global_prefill) that the ledger did not hold before it; None: no such window
+    provisional: torch.Tensor | None = None
 
     def window_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """Window id of [B, H, L] positions, counted from each sequence's origin."""
@@ -50,6 +53,16 @@ class LayerRouting:
     def incomplete(self, wid: torch.Tensor, seen: int) -> torch.Tensor:
         """Windows some of whose positions are not seen yet ([B, H, L] ids)."""
         return (wid + 1) * self.window > seen - self.origin.view(-1, 1, 1)
+
+    def forced(self, seen: int) -> torch.Tensor:
+        """[B, H, Lf + Lq] entries that stay FP whatever the budget: protected (+inf) or in a window
+        not complete yet."""
+        wid = self.window_ids(self.positions)
+        return self.valid & ((self.scores == float("inf")) | self.incomplete(wid, seen))
+
+    def window_keys(self, tier: Int2Tier) -> torch.Tensor:
+        """[len(tier)] each ledger window's flat (row, window) index, ``row * Wn + window id``."""
+        return tier.row * self.num_windows + tier.window_id
 
     def fp_moves(self, dec_fp: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keep, demote) masks of the FP entries given their decisions ``dec_fp`` [B, H, Lf] and the
@@ -72,7 +85,7 @@ class LayerRouting:
         Wn = self.num_windows
         lookup = torch.full((B * H * max(Wn, 1),), -1, dtype=torch.long, device=self.scores.device)
         if len(tier):
-            lookup[tier.row * Wn + tier.window_id] = torch.arange(len(tier), device=self.scores.device)
+            lookup[self.window_keys(tier)] = torch.arange(len(tier), device=self.scores.device)
         return lookup
 
 

@@ -44,10 +44,11 @@ import torch
 from vlm_kv.config import TierConfig
 from vlm_kv.eviction.evictor import Evictor
 from vlm_kv.policies.base import Scorer
-from vlm_kv.storage.allocation import Allocation
+from vlm_kv.storage.allocation import Allocation, GlobalTopK
 from vlm_kv.storage.ledger import TokenLedger
 from vlm_kv.storage.store import Entries, PaddedView
 from vlm_kv.tiers.entry_router import EntryRouter
+from vlm_kv.tiers.global_prefill import GlobalPrefillRouting
 from vlm_kv.tiers.groups import GroupBytes, Ranking, cat_records, per_layer
 from vlm_kv.tiers.int2_tier import Int2Tier, NewWindows, RefreshedSlots, SpillCopies
 from vlm_kv.tiers.routing import LayerRouting, RoutedLayer, RouterStrategy
@@ -134,14 +135,32 @@ class TierRouter:
         list per sequence over every layer: that event waits for the end of the forward)."""
         evictor.phase = "prefill"
         caps, scorer, allocation = evictor.begin_step(ledger)
+        event = _Event(evictor, ledger, caps, scorer, allocation, num_layers)
         if allocation.is_global:
+            if self._demotes_early(event):
+                return GlobalPrefillRouting(event, self.strategy, self.config.window)
             return None
-        return LayerwiseRouting(_Event(evictor, ledger, caps, scorer, allocation, num_layers))
+        return LayerwiseRouting(event)
+
+    def _demotes_early(self, event: "_Event") -> bool:
+        """A global event can send entries that can no longer be FP to INT2 before it runs
+        (``vlm_kv.tiers.global_prefill``) when FP is chosen per entry, the allocation is a plain
+        global top-k, and every layer's scores are a function of each entry's own state and
+        position (the same in either tier)."""
+        allocation = event.allocation
+        plain = (isinstance(allocation, GlobalTopK) and not allocation.min_per_head
+                 and not allocation.modality_floor and not allocation.modality_cap)
+        scorers = [event.scorer.for_layer(i) for i in range(event.num_layers)]
+        return (isinstance(self.strategy, EntryRouter) and plain
+                and all(s.score_is_per_entry and not s.score_reads_keys for s in scorers))
 
     @torch.no_grad()
     def route_layer(self, step: "LayerwiseRouting", layer: RoutedLayer) -> None:
         """Route one layer now. Its groups (a row, or a layer's rows) hold only its own entries, so
         this decides exactly what the end-of-forward event would for it."""
+        if isinstance(step, GlobalPrefillRouting):
+            step.after_layer(layer)
+            return
         event = step.event
         routing = event.routing(layer, self.config.window)
         step.before[layer.layer_idx] = layer.num_entries()
@@ -150,7 +169,16 @@ class TierRouter:
 
     @torch.no_grad()
     def finish_layerwise(self, step: "LayerwiseRouting", layers: Sequence[RoutedLayer]) -> None:
-        """End of the prefill: route the layers that did not attend (if any) and close the event."""
+        """End of the prefill: route the layers that did not attend (if any) and close the event
+        (a global ranking's event runs here over every layer)."""
+        if isinstance(step, GlobalPrefillRouting):
+            before = sum(step.before.get(layer.layer_idx, layer.num_entries()) for layer in layers)
+            routings = step.event_routings(layers)
+            decisions, fallback = self._decide(layers, routings, step.event.allocation, step.event.scorer)
+            for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
+                self.strategy.apply(layer, r, dec, fb)
+            step.event.evictor.end_step(before, sum(layer.num_entries() for layer in layers))
+            return
         for layer in layers:
             if layer.layer_idx not in step.before:
                 self.route_layer(step, layer)
@@ -181,14 +209,18 @@ class _Event:
         # the same for every layer of the event
         self.budget_fraction = self.caps.double() / self.ledger.valid_tokens.to(self.caps.device).clamp(min=1).double()
 
+    def layer_capacity(self, layer_idx: int) -> torch.Tensor:
+        """[B] tokens per head layer ``layer_idx`` may hold at this event."""
+        protected_window = self.evictor.protected(self.caps, self.scorer.for_layer(layer_idx))[1]  # each sequence's own
+        return self.allocation.for_layer(layer_idx).layer_capacity(layer_idx, self.num_layers, self.caps,
+                                                                   protected_window)
+
     def routing(self, layer: RoutedLayer, window: int) -> LayerRouting:
         """One layer's entries (FP and INT2 alike), scored together, with its capacity."""
         evictor, ledger, caps = self.evictor, self.ledger, self.caps
         states = evictor.scorer.state_names
         layer_scorer = self.scorer.for_layer(layer.layer_idx)
-        protected_window = evictor.protected(caps, layer_scorer)[1]  # each sequence's own, never the batch's
-        cap_layer = self.allocation.for_layer(layer.layer_idx).layer_capacity(layer.layer_idx, self.num_layers, caps,
-                                                                              protected_window)
+        cap_layer = self.layer_capacity(layer.layer_idx)
         fp = layer.store.padded_view(with_values=True, states=states)
         # a scorer of state and positions only: no INT2 key is dequantized to be scored
         with_keys = layer_scorer.score_reads_keys
