@@ -115,6 +115,32 @@ def test_a_global_ranking_sends_what_can_no_longer_be_fp_to_int2_early_with_the_
     assert torch.equal(torch.stack(out_a.logits), torch.stack(out_b.logits))
 
 
+def test_windows_that_can_no_longer_be_int2_are_dropped_before_the_event_with_the_same_result(monkeypatch):
+    from vlm_kv.tiers import global_prefill
+
+    drops = []
+    real = global_prefill.GlobalPrefillRouting._drop_windows
+
+    def spy(self):
+        added = real(self)
+        drops.append((len(self.entries), sum(added.values())))
+        return added
+
+    monkeypatch.setattr(global_prefill.GlobalPrefillRouting, "_drop_windows", spy)
+    # bf16 and a small budget: an INT2 window costs about two entries, so the budget pays for far
+    # fewer windows than the prompt has, and the bound on the INT2 set (not the count of windows
+    # that must stay) decides what goes
+    model = tiny_model("llama", dtype=torch.bfloat16, num_layers=6)
+    gates = vlm_kv.testing.tiny_gates(model)
+    inputs = tiny_inputs(model, batch_size=2, num_images=0, text_len=400, left_pad=7)
+    feed = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    early, at_end = (_gated(model, 0.05, flag, gates) for flag in (True, False))
+    assert torch.equal(model(**feed, cache=early).logits, model(**feed, cache=at_end).logits)
+    assert any(seen < 6 and added for seen, added in drops)  # some went while layers were still to run
+    _assert_same_tiers(early, at_end)
+    assert _counters(early) == _counters(at_end)
+
+
 def test_a_global_ranking_with_more_layers_holds_less_at_its_peak():
     # with many layers the FP copies kept are about the budget's: the peak falls well below the prompt
     model = tiny_model("llama", num_layers=8)
