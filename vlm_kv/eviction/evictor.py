@@ -162,8 +162,7 @@ class Evictor:
         self.phase = "prefill"
         caps, scorer, step_allocation = self.begin_step(ledger)
         if step_allocation.is_global:
-            plain = (isinstance(step_allocation, GlobalTopK) and not step_allocation.min_per_head
-                     and not step_allocation.modality_floor and not step_allocation.modality_cap)
+            plain = isinstance(step_allocation, GlobalTopK) and step_allocation.is_plain
             if not plain:
                 return None
         return LayerwiseStep(caps, scorer, step_allocation, num_layers)

@@ -128,6 +128,12 @@ class GlobalTopK(Allocation):
     modality_floor: dict[str, float] = field(default_factory=dict)
     modality_cap: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def is_plain(self) -> bool:
+        """One top-k with no per-head minimum, floor or cap: each entry's fate depends only on how
+        many entries outscore it (what a step taken layer by layer can bound early)."""
+        return not self.min_per_head and not self.modality_floor and not self.modality_cap
+
     def keep_all(self, scores: list[torch.Tensor], cap: torch.Tensor,
                  modality: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         b = scores[0].shape[0]

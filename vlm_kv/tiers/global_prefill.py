@@ -233,10 +233,7 @@ class GlobalPrefillRouting:
         changes = below.any() or (routing.valid[..., Lf:] & dropped[..., Lf:]).any()
         if not bool(changes):
             return
-        early = torch.zeros_like(e.ledgered)
-        if len(layer.tier):
-            early[routing.window_keys(layer.tier)] = True
-        routing = dataclasses.replace(routing, provisional=early & ~e.ledgered)
+        routing = self._with_provisional(layer, routing)
         fallback = torch.zeros(routing.scores.shape[:2], dtype=torch.bool, device=routing.scores.device)
         self.strategy.apply(layer, routing, decision, fallback)
 
@@ -251,9 +248,15 @@ class GlobalPrefillRouting:
             e = self.entries.get(layer.layer_idx)
             if e is not None:
                 layer.tier.counters = e.counters
-                early = torch.zeros_like(e.ledgered)
-                if len(layer.tier):
-                    early[r.window_keys(layer.tier)] = True
-                r = dataclasses.replace(r, provisional=early & ~e.ledgered)
+                r = self._with_provisional(layer, r)
             out.append(r)
         return out
+
+    def _with_provisional(self, layer: RoutedLayer, routing: LayerRouting) -> LayerRouting:
+        """``routing`` with the layer's windows quantized in this event marked (those the ledger
+        did not hold when the forward began)."""
+        ledgered = self.entries[layer.layer_idx].ledgered
+        early = torch.zeros_like(ledgered)
+        if len(layer.tier):
+            early[routing.window_keys(layer.tier)] = True
+        return dataclasses.replace(routing, provisional=early & ~ledgered)

@@ -122,11 +122,15 @@ class TierRouter:
         caps, scorer, allocation = evictor.begin_step(ledger)
         before = sum(layer.num_entries() for layer in layers)
         event = _Event(evictor, ledger, caps, scorer, allocation, len(layers))
-        routings = [event.routing(layer, self.config.window) for layer in layers]
-        decisions, fallback = self._decide(layers, routings, allocation, scorer)
+        self._decide_and_apply(event, layers, [event.routing(layer, self.config.window) for layer in layers], before)
+
+    def _decide_and_apply(self, event: "_Event", layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting],
+                          before: int) -> None:
+        """The event over every layer at once: decide, apply per layer, count what left."""
+        decisions, fallback = self._decide(layers, routings, event.allocation, event.scorer)
         for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
             self.strategy.apply(layer, r, dec, fb)
-        evictor.end_step(before, sum(layer.num_entries() for layer in layers))
+        event.evictor.end_step(before, sum(layer.num_entries() for layer in layers))
 
     # ------------------------------------------------------------ layer by layer, during a prefill
     def begin_layerwise(self, evictor: Evictor, ledger: TokenLedger, num_layers: int) -> "LayerwiseRouting | None":
@@ -148,8 +152,7 @@ class TierRouter:
         global top-k, and every layer's scores are a function of each entry's own state and
         position (the same in either tier)."""
         allocation = event.allocation
-        plain = (isinstance(allocation, GlobalTopK) and not allocation.min_per_head
-                 and not allocation.modality_floor and not allocation.modality_cap)
+        plain = isinstance(allocation, GlobalTopK) and allocation.is_plain
         scorers = [event.scorer.for_layer(i) for i in range(event.num_layers)]
         return (isinstance(self.strategy, EntryRouter) and plain
                 and all(s.score_is_per_entry and not s.score_reads_keys for s in scorers))
@@ -173,11 +176,7 @@ class TierRouter:
         (a global ranking's event runs here over every layer)."""
         if isinstance(step, GlobalPrefillRouting):
             before = sum(step.before.get(layer.layer_idx, layer.num_entries()) for layer in layers)
-            routings = step.event_routings(layers)
-            decisions, fallback = self._decide(layers, routings, step.event.allocation, step.event.scorer)
-            for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
-                self.strategy.apply(layer, r, dec, fb)
-            step.event.evictor.end_step(before, sum(layer.num_entries() for layer in layers))
+            self._decide_and_apply(step.event, layers, step.event_routings(layers), before)
             return
         for layer in layers:
             if layer.layer_idx not in step.before:
