@@ -11,6 +11,9 @@
 # Session 16, after facts-aw1 missed the KL bound at 0.1 (+18 %): two runs between aw0 and aw1
 #   facts-aw05:     as facts-aw1 with the answer tokens at half the weight (--answer-weight 0.5)
 #   facts-s25-aw1:  as facts-aw1 with a quarter of the samples facts chats (--facts-share 0.25)
+# Session 23, after the 2048-token table left untiered dbtrimkv behind kvzip at 0.05 (later):
+#   facts2048-aw05: the shipped facts-aw05 gates + 30 steps of the same recipe at 2048 tokens
+#                   (the tokens of 60 steps at 1024; a step takes about 90 s on one thread)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -23,10 +26,13 @@ for name in $ONLY; do
     facts-s25-aw1) extra="--facts-share 0.25 --facts-kinds name,date,list --answer-weight 1" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
+    facts2048-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac
+  init=$(bash docs/retrieval/v3_gates.sh) len=1024 steps=60
+  if [ "$name" = facts2048-aw05 ]; then init=docs/retrieval/gates/facts-aw05 len=2048 steps=30; fi
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
-    --data ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 --max-length 1024 \
-    --steps 60 --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
-    --init-gates "$(bash docs/retrieval/v3_gates.sh)" $extra --out "$RUNS/$name" --resume --no-progress
+    --data ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 --max-length $len \
+    --steps $steps --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
+    --init-gates "$init" $extra --out "$RUNS/$name" --resume --no-progress
 done
