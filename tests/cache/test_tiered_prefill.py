@@ -195,3 +195,23 @@ def test_a_new_turn_on_a_non_empty_cache_routes_at_its_end():
 def test_layerwise_prefill_must_be_a_bool():
     with pytest.raises(TypeError, match="layerwise_prefill"):
         CacheOptions(layerwise_prefill="yes")
+
+
+@pytest.mark.parametrize("policy,tiers", [("qevict", None), ("snapkv", None), ("dbtrimkv", "int2")])
+def test_a_cpu_prefill_gives_each_layers_freed_memory_back(policy, tiers, monkeypatch):
+    """Layer-by-layer eviction frees most of each layer's keys and values; on CPU the cache hands
+    that heap back to the OS after each layer, or the resident set grows as if nothing were freed."""
+    from vlm_kv.cache import cache as cache_module
+
+    calls = []
+    monkeypatch.setattr(cache_module, "return_freed_heap", lambda: calls.append(1) or True)
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(3))
+    if policy == "dbtrimkv":
+        cache = _gated(model, 0.25, True, vlm_kv.testing.tiny_gates(model))
+    else:
+        cache = _cache(model, policy, tiers, 0.25, True)
+    model(input_ids=ids, cache=cache)
+    assert len(calls) == model.config.num_hidden_layers
+    model(input_ids=ids[:, :1], cache=cache)  # a decode step frees nothing layer by layer
+    assert len(calls) == model.config.num_hidden_layers

@@ -38,6 +38,7 @@ from vlm_kv.eviction.evictor import Evictor
 from vlm_kv.models.adapters import ModelAdapter
 from vlm_kv.policies.base import Scorer
 from vlm_kv.storage.allocation import Allocation
+from vlm_kv.storage.host_heap import return_freed_heap
 from vlm_kv.storage.ledger import CacheMisuseError, TokenLedger
 from vlm_kv.tiers.rope_keys import KeyRotation
 from vlm_kv.tiers.window_router import TierRouter
@@ -195,6 +196,10 @@ class CompressedCache(Cache):
             self.router.route_layer(self._layerwise, layer)
         else:
             self.evictor.evict_layer(self._layerwise, layer, self.ledger)
+        if layer.store is not None and layer.store.device.type == "cpu":
+            # what the layer just freed would otherwise stay in the process as freed heap, so its
+            # resident set would grow layer after layer as if nothing were evicted
+            return_freed_heap()
         self.evict_seconds += time.perf_counter() - start
 
     def end_forward(self) -> None:

@@ -9,7 +9,6 @@ the process's peak memory during the run (resident set sampled every 2 ms on CPU
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -29,6 +28,7 @@ from vlm_kv.api import cache_kwarg, make_cache
 from vlm_kv.cache.report import cache_bytes
 from vlm_kv.config import EMBEDDED_TEXT, CacheOptions
 from vlm_kv.kernels import int2_cpu
+from vlm_kv.storage.host_heap import return_freed_heap
 
 DEFAULT_TEXT = EMBEDDED_TEXT
 
@@ -105,12 +105,8 @@ class PeakMemory:
     def _release_freed_heap() -> None:
         """Return memory freed by earlier runs to the OS, so one run's peak does not start from
         the previous run's high-water mark (glibc keeps freed heap otherwise)."""
-
         gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        return_freed_heap()
 
     def __enter__(self) -> "PeakMemory":
         self._release_freed_heap()
