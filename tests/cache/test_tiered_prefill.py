@@ -205,6 +205,7 @@ def test_a_cpu_prefill_gives_each_layers_freed_memory_back(policy, tiers, monkey
 
     calls = []
     monkeypatch.setattr(cache_module, "return_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cache_module, "HEAP_TRIM_BYTES", 1)  # the tiny model frees a few KB a layer
     model = tiny_model("llama", num_layers=3)
     ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(3))
     if policy == "dbtrimkv":
@@ -215,3 +216,24 @@ def test_a_cpu_prefill_gives_each_layers_freed_memory_back(policy, tiers, monkey
     assert len(calls) == model.config.num_hidden_layers
     model(input_ids=ids[:, :1], cache=cache)  # a decode step frees nothing layer by layer
     assert len(calls) == model.config.num_hidden_layers
+
+
+def test_the_heap_is_trimmed_only_once_enough_was_freed(monkeypatch):
+    """A trim costs a few ms: small prompts, which free little, do not pay for one per layer."""
+    from vlm_kv.cache import cache as cache_module
+
+    calls = []
+    monkeypatch.setattr(cache_module, "return_freed_heap", lambda: calls.append(1) or True)
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(16, 200, (1, 120), generator=torch.Generator().manual_seed(3))
+    probe = _cache(model, "qevict", None, 0.25, True)
+    model(input_ids=ids, cache=probe)
+    freed_per_layer = (probe.full_kv_bytes() - probe.kv_bytes()["total"]) // 4
+    assert freed_per_layer > 0
+    monkeypatch.setattr(cache_module, "HEAP_TRIM_BYTES", 2 * freed_per_layer)
+    model(input_ids=ids, cache=_cache(model, "qevict", None, 0.25, True))
+    assert 1 <= len(calls) <= 2  # every second layer, not every layer
+    calls.clear()
+    monkeypatch.setattr(cache_module, "HEAP_TRIM_BYTES", 16 * 2**20)
+    model(input_ids=ids, cache=_cache(model, "qevict", None, 0.25, True))
+    assert calls == []

@@ -6,15 +6,17 @@ import sys
 
 from vlm_kv.storage import host_heap
 
-# In a fresh process (the heap's state in the test process depends on every earlier test): a freed
-# 24 MiB tensor raises glibc's mmap threshold, so the 8 MiB tensors after it come from the heap and
-# stay resident when freed, until the heap is trimmed.
+# In a fresh process (the heap's state in the test process depends on every earlier test), with
+# glibc told to serve 8 MiB tensors from its heap and never to trim it by itself (as it does on its
+# own once a freed tensor has raised its mmap threshold): freed, they stay resident until trimmed.
 _SCRIPT = """
-import json, torch
+import ctypes, json, torch
 from vlm_kv.storage.host_heap import return_freed_heap
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-3, 64 * 2**20)  # M_MMAP_THRESHOLD
+libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * 4096
-first = torch.ones(24 * 2**18); del first
 parts = [torch.ones(8 * 2**18) for _ in range(16)]
 keep = torch.ones(1024)
 held = rss(); del parts; freed = rss()

@@ -45,6 +45,9 @@ from vlm_kv.tiers.window_router import TierRouter
 
 __all__ = ["CacheMisuseError", "CompressedCache", "CompressedLayer", "TieredLayer"]
 
+# keys and values freed by layer-by-layer eviction on CPU before the heap is given back to the OS
+HEAP_TRIM_BYTES = 16 * 2**20
+
 
 class CompressedCache(Cache):
     """A KV cache that keeps ``budget`` of the full cache, chosen by ``scorer`` and spread by ``allocation``.
@@ -87,6 +90,7 @@ class CompressedCache(Cache):
         self.evict_seconds = 0.0   # wall time spent in eviction steps
         self.chunked_prefills = 0
         self._layerwise = None       # the prefill's layer-by-layer eviction step in flight
+        self._freed_since_trim = 0   # bytes of keys / values freed on CPU since the heap was last trimmed
         self._fresh_forward = False  # the user's call this forward belongs to started on an empty cache
         self._evicts_at_end = True   # this forward leaves all eviction to its end (not layer by layer)
         self.call_started_empty: bool | None = None  # set by the model pre-hook for every user call
@@ -192,14 +196,19 @@ class CompressedCache(Cache):
                 self._evicts_at_end = True
                 return
         self.peak_kv_bytes = max(self.peak_kv_bytes, report.total_kv_bytes(self))
+        held_before = layer.kv_bytes()
         if self.router is not None:
             self.router.route_layer(self._layerwise, layer)
         else:
             self.evictor.evict_layer(self._layerwise, layer, self.ledger)
         if layer.store is not None and layer.store.device.type == "cpu":
-            # what the layer just freed would otherwise stay in the process as freed heap, so its
-            # resident set would grow layer after layer as if nothing were evicted
-            return_freed_heap()
+            # what the layers free would otherwise stay in the process as freed heap, so its resident
+            # set would grow layer after layer as if nothing were evicted; a trim costs a few ms, so
+            # only once enough was freed (glibc maps tensors above 32 MiB itself and returns those)
+            self._freed_since_trim += max(0, held_before - layer.kv_bytes())
+            if self._freed_since_trim >= HEAP_TRIM_BYTES:
+                return_freed_heap()
+                self._freed_since_trim = 0
         self.evict_seconds += time.perf_counter() - start
 
     def end_forward(self) -> None:
