@@ -196,12 +196,13 @@ class CompressedCache(Cache):
                 self._evicts_at_end = True
                 return
         self.peak_kv_bytes = max(self.peak_kv_bytes, report.total_kv_bytes(self))
-        held_before = layer.kv_bytes()
+        on_cpu = layer.store is not None and layer.store.device.type == "cpu"
+        held_before = layer.kv_bytes() if on_cpu else 0
         if self.router is not None:
             self.router.route_layer(self._layerwise, layer)
         else:
             self.evictor.evict_layer(self._layerwise, layer, self.ledger)
-        if layer.store is not None and layer.store.device.type == "cpu":
+        if on_cpu:
             # what the layers free would otherwise stay in the process as freed heap, so its resident
             # set would grow layer after layer as if nothing were evicted; a trim costs a few ms, so
             # only once enough was freed (glibc maps tensors above 32 MiB itself and returns those)
