@@ -3,7 +3,6 @@
 and the kernel's high-water mark above the start (MB), then the prefill's peak. POLICY is a tiered
 policy at budget 0.1 (tiers int2) or `full` (DynamicCache); `trim` also trims glibc's heap after
 every layer. SmolLM2, fp32, one thread, pg84 as text."""
-import ctypes
 import gc
 import sys
 
@@ -12,6 +11,7 @@ import torch
 from vlm_kv import make_cache
 from vlm_kv.cli.bench import bench_tokens
 from vlm_kv.models.named import load_model
+from vlm_kv.storage.host_heap import return_freed_heap
 
 torch.set_num_threads(1)
 policy, ctx = sys.argv[1], int(sys.argv[2])
@@ -31,7 +31,7 @@ marks = []
 def after_layer(index: int):
     def hook(module, args, output):
         if trim_every_layer:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            return_freed_heap()
         marks.append((index, status_mb("VmRSS"), status_mb("VmHWM")))
     return hook
 
@@ -41,7 +41,7 @@ for i, layer in enumerate(model.model.layers):
 with torch.no_grad():
     cache = None if policy == "full" else make_cache(model, policy=policy, budget=0.1, tiers="int2")
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return_freed_heap()
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
     start = status_mb("VmRSS")

@@ -3,7 +3,8 @@
 For each (cache, context) one run prefills ``context`` tokens, then decodes ``steps`` tokens
 ``repeats`` times (greedy, eviction steps included) and reports the median ms per token.
 Memory: the key/value bytes the cache held at its peak during prefill and during decode, and
-the process's peak memory during the run (resident set sampled every 2 ms on CPU;
+the process's peak memory during the run (on CPU the kernel's resident high-water mark, reset
+when the run starts, or the resident set sampled every 2 ms where it cannot be reset;
 ``torch.cuda.max_memory_allocated`` on CUDA).
 """
 
