@@ -8,7 +8,8 @@
 
 A cell is ``LABEL:POLICY:BUDGET[:key=value,...]``; keys: ``gates`` (folder), ``num_sinks`` and
 ``recent_ratio`` (scorer), ``log_alpha`` (threshold allocation), ``min_per_head`` (global
-allocation), ``evict_every`` (decode steps between eviction steps), ``tiers`` and every ``TierConfig`` field with a command-line flag (``int2_share``,
+allocation), ``evict_every`` (decode steps between eviction steps), ``attention_backend``
+(``torch``: the pure PyTorch decode path instead of a compiled kernel), ``tiers`` and every ``TierConfig`` field with a command-line flag (``int2_share``,
 ``window``, ``key_rope``, ``spill``, ``int2_value``, ``fp_unit``, ``key_grid``, ``basis``: recoverable INT2
 tiers, merged over the policy's own tier settings as ``make_cache(tiers={...})`` does). ``--dtype bfloat16`` runs the model and every cache in bf16 (budgets
 are fractions of the full cache in that dtype). Each finished cell is appended to ``--out``
@@ -48,7 +49,7 @@ def _cell_type(kind):
     return {int: int, bool: _truth, float: float, float | None: float}.get(kind, str)
 
 
-_CACHE_OPTIONS = {"tiers": str, "evict_every": int,
+_CACHE_OPTIONS = {"tiers": str, "evict_every": int, "attention_backend": str,
                   **{f.name: _cell_type(_TIER_HINTS[f.name]) for f in tier_flag_fields()}}
 
 
@@ -58,7 +59,8 @@ def cell_cache_kwargs(cell: dict) -> dict:
     flat = dict(cell.get("cache_kwargs") or {})
     kwargs: dict = {"options": CacheOptions(scorer_kwargs=cell["scorer_kwargs"] or None,
                                             allocation_kwargs=cell["allocation_kwargs"] or None,
-                                            evict_every=flat.pop("evict_every", None))}
+                                            evict_every=flat.pop("evict_every", None),
+                                            attention_backend=flat.pop("attention_backend", "auto"))}
     if cell["gates"]:
         kwargs["gates"] = cell["gates"]
     tiers = tiers_with_fields(cell["policy"], flat.pop("tiers", None), flat)

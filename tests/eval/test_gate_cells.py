@@ -48,3 +48,14 @@ def test_cells_take_the_eviction_interval_into_the_cache_options():
     assert kwargs["options"].evict_every == 16 and kwargs["tiers"] == "int2"
     assert cell_cache_kwargs(parse_cell("e:dbtrimkv:0.1:tiers=int2"))["options"].evict_every is None
     assert cell_key(c) != cell_key(parse_cell("e:dbtrimkv:0.1:tiers=int2"))
+
+
+def test_cells_can_name_the_decode_attention_path():
+    from vlm_kv.eval.gate_cells import cell_cache_kwargs
+
+    c = parse_cell("t:dbtrimkv:0.1:tiers=int2,attention_backend=torch")
+    assert cell_cache_kwargs(c)["options"].attention_backend == "torch"
+    assert cell_cache_kwargs(parse_cell("t:dbtrimkv:0.1:tiers=int2"))["options"].attention_backend == "auto"
+    assert cell_key(c) != cell_key(parse_cell("t:dbtrimkv:0.1:tiers=int2"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        cell_cache_kwargs(parse_cell("t:dbtrimkv:0.1:attention_backend=cuda-ish"))

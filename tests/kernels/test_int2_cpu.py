@@ -77,12 +77,12 @@ def test_a_build_failure_keeps_the_pytorch_path_with_a_warning(monkeypatch):
     assert backend.AttentionPaths("torch").cpu_int2_decode(torch.zeros(1)) is False
 
 
-def _synthetic(head_dim, key_grid, gen):
+def _synthetic(head_dim, key_grid, gen, w=8):
     """One sequence: 2 KV heads x 3 query heads, a ragged body, a tail with an invalid slot, INT2
-    windows with holes, quantized as the tier does (keys per channel, values per token)."""
+    windows of ``w`` slots with holes, quantized as the tier does (keys per channel, values per token)."""
     from vlm_kv.kernels.int2 import quantize_keys, quantize_keys_compact, quantize_values
 
-    H, g, w, T = 2, 3, 8, 4
+    H, g, T = 2, 3, 4
     body_lengths, windows = torch.tensor([5, 7]), torch.tensor([3, 4])
     n = int(windows.sum())
     raw_k, raw_v = torch.randn(n, w, head_dim, generator=gen), torch.randn(n, w, head_dim, generator=gen)
@@ -138,6 +138,31 @@ def test_the_kernel_equals_a_brute_force_reference(head_dim, key_grid, scalar):
     want_fp, want_q = _reference(query, packed, body, tail, g, 0.3)
     torch.testing.assert_close(fp, want_fp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(quantized, want_q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("w", [3, 5, 12, 16])
+def test_windows_of_any_size_equal_the_reference(w):
+    """The AVX-512 path takes a window's slots eight at a time; a window of fewer, or of a
+    number that is not a multiple of eight, has a short last block."""
+    gen = torch.Generator().manual_seed(w)
+    packed, body, tail, g = _synthetic(64, "int8", gen, w=w)
+    query = torch.randn(2 * g, 64, generator=gen)
+    fp, quantized = int2_cpu.tiered_decode(query, query, body, tail, packed, g, 0.3)
+    want_fp, want_q = _reference(query, packed, body, tail, g, 0.3)
+    torch.testing.assert_close(fp, want_fp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quantized, want_q, rtol=1e-5, atol=1e-5)
+
+
+def test_logits_spread_over_hundreds_match_the_reference():
+    """Most weights underflow: the vectorised exponential gives exactly 0 below e^-87, as float32's
+    own exp nearly does, and the few entries near the maximum carry the output."""
+    gen = torch.Generator().manual_seed(7)
+    packed, body, tail, g = _synthetic(64, "int8", gen)
+    query = torch.randn(2 * g, 64, generator=gen) * 60  # logits spread over hundreds
+    fp, quantized = int2_cpu.tiered_decode(query, query, body, tail, packed, g, 0.3)
+    want_fp, want_q = _reference(query, packed, body, tail, g, 0.3)
+    torch.testing.assert_close(fp, want_fp, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quantized, want_q, rtol=1e-5, atol=1e-4)
 
 
 def test_a_slow_build_says_so_and_a_quick_load_stays_silent(monkeypatch, capsys):
