@@ -14,11 +14,16 @@
 # Session 23, after the 2048-token table left untiered dbtrimkv behind kvzip at 0.05 (later):
 #   facts2048-aw05: the shipped facts-aw05 gates + 30 steps of the same recipe at 2048 tokens
 #                   (the tokens of 60 steps at 1024; a step takes about 90 s on one thread)
+# Session 24: facts2048-aw05 logged a capacity term of ~0 at nearly every step (the live fraction,
+#   0.06-0.09, sat below the sampled budget, 0.05-0.3), so nothing held the gates to a budget while
+#   their live fraction grew; this run samples budgets where the term binds:
+#   facts2048-lowb: as facts2048-aw05 with --budget-range 0.02,0.12
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
 ONLY=${ONLY:-facts-aw1 plain facts-aw0 facts-aw3}
 for name in $ONLY; do
+  range=
   case $name in
     facts-aw1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 1" ;;
     facts-aw3) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 3" ;;
@@ -27,12 +32,13 @@ for name in $ONLY; do
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
     facts2048-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
+    facts2048-lowb) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" range=0.02,0.12 ;;
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac
   init=$(bash docs/retrieval/v3_gates.sh) len=1024 steps=60
-  if [ "$name" = facts2048-aw05 ]; then init=docs/retrieval/gates/facts-aw05 len=2048 steps=30; fi
+  case $name in facts2048-*) init=docs/retrieval/gates/facts-aw05 len=2048 steps=30 ;; esac
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
-    --data ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 --max-length $len \
+    --data ../shared/data/text/pg1342.txt --global --budget-range ${range:-0.05,0.3} --max-length $len \
     --steps $steps --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
     --init-gates "$init" $extra --out "$RUNS/$name" --resume --no-progress
 done
