@@ -176,3 +176,26 @@ def test_rotated_tier_attention_equals_one_softmax_over_the_rotated_back_entries
         ref = varlen_attention(query, merged, q_pos, 0.3)
         out = rotated_tier_attention(query, fp, tier, key_basis, value_basis, q_pos, 0.3)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_received_sums_the_same_whatever_its_chunk_and_bounds_a_chunk_in_bytes(monkeypatch):
+    from vlm_kv.attention import reference
+
+    store, _, _ = _filled_store(n=12)
+    q = torch.randn(2, 4, 12, 8, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(12)
+    view = store.padded_view()
+    whole = reference.attention_received(q, view, positions, None, chunk=12)
+    torch.testing.assert_close(whole.sum(-1), torch.full((2, 2), 12.0))  # each query's probabilities sum to 1
+    chunks = []
+    real_probs = reference.attention_probs
+
+    def counting(query, *args):
+        chunks.append(query.shape[2])
+        return real_probs(query, *args)
+
+    monkeypatch.setattr(reference, "attention_probs", counting)
+    # 4 bytes x 2 sequences x 4 query heads x 12 keys = 384 bytes of probabilities a query: 2000 fit 5
+    monkeypatch.setattr(reference, "RECEIVED_CHUNK_BYTES", 2000)
+    torch.testing.assert_close(reference.attention_received(q, view, positions, None), whole)
+    assert chunks == [5, 5, 2]

@@ -119,17 +119,29 @@ def attention_probs(
     return torch.softmax(logits.masked_fill_(~mask, float("-inf")), dim=-1)
 
 
+#: float32 bytes of attention probabilities one chunk of ``attention_received`` may hold (the
+#: logits and the probabilities are alive together, so twice this at the peak). Why bounded in
+#: bytes: at 256 queries a chunk of SmolLM2's 9 heads held 19 MB at 2048 keys and 75 MB at 8192,
+#: which put qevict's prefill above DynamicCache's process peak (docs/tiered_prefill.md).
+RECEIVED_CHUNK_BYTES = 4 * 2**20
+
+
 def attention_received(
     query: torch.Tensor,
     view: PaddedView,
     query_positions: torch.Tensor,
     scaling: float | None,
-    chunk: int = 256,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention each entry receives, summed over queries and averaged over a group: [B, H, L].
 
-    Chunked over queries so memory stays O(chunk * L) whatever the prefill length.
+    Chunked over queries so memory stays bounded whatever the prefill length: ``chunk`` queries at
+    a time, by default as many as keep one chunk's probabilities within ``RECEIVED_CHUNK_BYTES``
+    (at most 256, at least 1).
     """
+    if chunk is None:
+        row_bytes = 4 * query.shape[0] * query.shape[1] * max(view.length, 1)
+        chunk = max(1, min(256, RECEIVED_CHUNK_BYTES // row_bytes))
     total = None
     for start in range(0, query.shape[2], chunk):
         probs = attention_probs(query[:, :, start : start + chunk], view, query_positions[start : start + chunk], scaling)
