@@ -172,7 +172,7 @@ void softmax_in_place(float* x, int64_t L) {
   float sum = 0.f;
   int64_t e = 0;
 #ifdef VLM_KV_AVX512
-  // std::exp one lane at a time was a quarter of a step's time at 8192 tokens (docs/tiered_decode.md)
+  // std::exp one lane at a time was about a fifth of a call at 8192 tokens (docs/tiered_decode.md)
   const __m512 m = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
   for (; e + 16 <= L; e += 16) {
@@ -320,7 +320,10 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
     for (int64_t x = 0; x < D; ++x) qp[qh * D + x] = qr[qh * D + channel[x]];
   // INT2 logits, per window: q . (code * scale + zero) = (q * scale) . code + q . zero
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(group * D), qz(group), code(D), sj(D), zj(D), block(8 * D, 0.f);
+    std::vector<float> qs(group * D), qz(group), code(D), sj(D), zj(D);
+#ifdef VLM_KV_AVX512
+    std::vector<float> block(planes ? 8 * D : 0, 0.f);
+#endif
     for (int64_t j = begin; j < end; ++j) {
       const int64_t h = head_of(wstart, j);
       if (compact) {
@@ -421,7 +424,10 @@ torch::Tensor tiered_decode(torch::Tensor query, torch::Tensor rotated_query, to
   std::vector<float> part(threads * Hq * (D + 1), 0.f);
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float* acc = part.data() + at::get_thread_num() * Hq * (D + 1);
-    std::vector<float> code(D), block(8 * D);
+    std::vector<float> code(D);
+#ifdef VLM_KV_AVX512
+    std::vector<float> block(planes ? 8 * D : 0);
+#endif
     for (int64_t j = begin; j < end; ++j) {
       const int64_t h = head_of(wstart, j);
 #ifdef VLM_KV_AVX512
