@@ -72,9 +72,13 @@ TASK_CODES = {"single": 1, "multi_image": 2, "multi_turn": 3}
 KINDS = ("code", "colour", "shape", "spatial")
 TRAIN_SEED = 0
 IMAGE_MARK = "<image>"  # where an image goes in a question's text; the processor's token replaces it
+# How captioned images are labelled in multi-image contexts: "open" writes "Image k: caption." before
+# each image (the shipped model's layout); "bracketed" also writes "End of image k." after it, so the
+# last patches of image k sit next to a label naming k rather than next to "Image k+1:".
+LABEL_STYLES = ("open", "bracketed")
 
 __all__ = [
-    "IMAGE_SIZE", "CELL", "GRID", "TASKS", "KINDS", "TRAIN_SEED", "IMAGE_MARK",
+    "IMAGE_SIZE", "CELL", "GRID", "TASKS", "KINDS", "TRAIN_SEED", "IMAGE_MARK", "LABEL_STYLES",
     "SceneObject", "Scene", "Question", "Item", "draw_scene", "make_item", "items", "noise_image",
     "answer_matches", "chance",
 ]
@@ -322,22 +326,30 @@ def _spatial_pairs(objects: list[SceneObject]) -> list[tuple[SceneObject, SceneO
     return pairs
 
 
-def _captioned(scenes: list[Scene]) -> str:
-    return "".join(f"Image {k + 1}: {s.caption}.\n{IMAGE_MARK}\n" for k, s in enumerate(scenes))
+def _captioned(scenes: list[Scene], labels: str = "open") -> str:
+    parts = []
+    for k, scene in enumerate(scenes, start=1):
+        parts.append(f"Image {k}: {scene.caption}.\n{IMAGE_MARK}\n")
+        if labels == "bracketed":
+            parts.append(f"End of image {k}.\n")
+    return "".join(parts)
 
 
 def make_item(task: str, seed: int, index: int, *, images: str = "real", n_images: int | None = None,
-              n_questions: int | None = None, kinds=KINDS) -> Item:
+              n_questions: int | None = None, kinds=KINDS, labels: str = "open") -> Item:
     """Item ``index`` of ``task`` under data seed ``seed`` (see the module docstring).
 
     ``images="noise"`` keeps the questions and answers and replaces every image's pixels by
     noise. ``n_images`` / ``n_questions`` override the task's defaults (8-16 images for
-    multi_image, 8 images and 4-8 questions for multi_turn).
+    multi_image, 8 images and 4-8 questions for multi_turn). ``labels`` is one of
+    ``LABEL_STYLES`` (how multi-image contexts name their images).
     """
     if task not in TASK_CODES:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if images not in ("real", "noise"):
         raise ValueError(f"images must be 'real' or 'noise', got {images!r}")
+    if labels not in LABEL_STYLES:
+        raise ValueError(f"labels must be one of {LABEL_STYLES}, got {labels!r}")
     unknown = set(kinds) - set(KINDS)
     if unknown or not kinds:
         raise ValueError(f"question kinds must be a non-empty subset of {KINDS}, got {tuple(kinds)}")
@@ -360,7 +372,7 @@ def make_item(task: str, seed: int, index: int, *, images: str = "real", n_image
             raise ValueError(f"{count} questions about different images need at least {count} images, got {n}")
         targets = rng.permutation(n)[:count]
         questions = [_ask(rng, scenes[k], int(k), f" in image {k + 1}", kinds) for k in targets]
-        preamble = _captioned(scenes)
+        preamble = _captioned(scenes, labels)
     if images == "noise":
         for s in scenes:
             s.image = noise_image(rng)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from vlm_kv.eval.visual_qa import answer
-from vlm_kv.eval.visual_tasks import answer_matches, chance, make_item
+from vlm_kv.eval.visual_tasks import LABEL_STYLES, answer_matches, chance, make_item
 
 from vlm_kv.models.smollava import build_smollava, load_checkpoint_or_folder
 
@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--images", default="real", help="comma-separated: real, noise")
     p.add_argument("--n-images", type=int, default=None, help="images per multi_image context (default: the task's 8-16)")
     p.add_argument("--kinds", default=None, help="comma-separated question kinds (default: all): code, colour, shape, spatial")
+    p.add_argument("--labels", default="open", choices=LABEL_STYLES,
+                   help="how multi-image contexts label their images (a model is evaluated in the layout it was trained on)")
     p.add_argument("--details", action="store_true",
                    help="also record every question: target image, answer, generated text and, for code "
                         "questions, which image's code the generated text is (wrong-image answers)")
@@ -79,12 +81,14 @@ def main() -> None:
     if args.seed == 0:
         raise SystemExit("--seed 0 is the training split; held-out items need another seed")
     model, tokenizer, step = load(args.weights)
-    result = {"weights": args.weights, "step": step, "seed": args.seed, "items": args.items, "runs": []}
+    result = {"weights": args.weights, "step": step, "seed": args.seed, "items": args.items, "labels": args.labels,
+              "runs": []}
     for task in args.tasks.split(","):
         for images in args.images.split(","):
             start = time.perf_counter()
             hits, questions, by_kind = [], [], {}
             extra = {"n_images": args.n_images} if args.n_images and task == "multi_image" else {}
+            extra["labels"] = args.labels
             if args.kinds:
                 extra["kinds"] = tuple(args.kinds.split(","))
             details = []

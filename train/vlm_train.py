@@ -46,6 +46,7 @@ from vlm_kv.eval.visual_tasks import (
     BLANK,
     CODE_CHARS,
     COLOURS,
+    LABEL_STYLES,
     SHAPES,
     TRAIN_SEED,
     Item,
@@ -83,6 +84,8 @@ class VLMTrainConfig:
     multi_every: int = setting(4, "every Nth stage-2 step is one multi-image context instead")
     multi_images: str = setting("4,10", "LO,HI images in those contexts")
     multi_questions: int = setting(3, "teacher-forced questions in a multi-image context")
+    image_labels: str = setting("open", "how multi-image contexts label their images: open ('Image k: caption.' "
+                                "before each) or bracketed (also 'End of image k.' after each); evaluations use it too")
     patch_weight: float = setting(0.5, "weight of the stage-1 loss kept during stage 2")
     pos_lr_mult: float = setting(30.0, "learning-rate multiplier of the tower's position embeddings")
     negatives: int = setting(512, "sampled vocabulary rows in the contrastive patch loss")
@@ -120,6 +123,8 @@ class VLMTrainConfig:
             raise ValueError(f"multi_images must be LO,HI with 1 <= LO <= HI, got {self.multi_images!r}")
         if self.multi_questions > lo:
             raise ValueError(f"multi_questions ({self.multi_questions}) must be <= the fewest images ({lo})")
+        if self.image_labels not in LABEL_STYLES:
+            raise ValueError(f"image_labels must be one of {LABEL_STYLES}, got {self.image_labels!r}")
         if self.lm_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"lm_dtype must be bfloat16 or float32, got {self.lm_dtype!r}")
         if self.lora_rank:
@@ -272,7 +277,8 @@ def _qa_items(cfg: VLMTrainConfig, step: int) -> tuple[list[Item], str]:
         lo, hi = cfg.multi_range
         rng = np.random.default_rng([TRAIN_SEED, 200, step])
         n = int(rng.integers(lo, hi + 1))
-        return [make_item("multi_turn", TRAIN_SEED, step, n_images=n, n_questions=cfg.multi_questions)], "multi"
+        return [make_item("multi_turn", TRAIN_SEED, step, n_images=n, n_questions=cfg.multi_questions,
+                          labels=cfg.image_labels)], "multi"
     return [make_item("single", TRAIN_SEED, step * cfg.qa_batch + j) for j in range(cfg.qa_batch)], "single"
 
 
@@ -393,7 +399,8 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
                     last_eval = {"single": evaluate(model, tokenizer, "single", cfg.eval_seed, cfg.eval_items)}
                     if cfg.eval_multi_items:
                         last_eval["multi_image"] = evaluate(model, tokenizer, "multi_image", cfg.eval_seed,
-                                                            cfg.eval_multi_items, n_images=8)
+                                                            cfg.eval_multi_items, n_images=8,
+                                                            labels=cfg.image_labels)
                 model.train()
                 for result in last_eval.values():
                     metrics.write(json.dumps({"step": done, "eval": result}) + "\n")

@@ -73,6 +73,21 @@ def test_multi_image_item_asks_about_one_captioned_image():
     assert f"in image {q.image_index + 1}?" in q.text
 
 
+def test_bracketed_labels_close_every_image_and_change_nothing_else():
+    open_, bracketed = T.make_item("multi_turn", 1, 2), T.make_item("multi_turn", 1, 2, labels="bracketed")
+    assert open_.questions == bracketed.questions and [s.code for s in open_.scenes] == [s.code for s in bracketed.scenes]
+    n = len(bracketed.scenes)
+    chunks = bracketed.preamble.split(T.IMAGE_MARK)
+    assert len(chunks) == n + 1
+    for k in range(1, n):  # between image k and image k+1: first k's closing label, then k+1's opening one
+        assert chunks[k].index(f"End of image {k}.") < chunks[k].index(f"Image {k + 1}: ")
+    assert chunks[n].strip() == f"End of image {n}."
+    stripped = bracketed.preamble
+    for k in range(1, n + 1):
+        stripped = stripped.replace(f"End of image {k}.\n", "")
+    assert stripped == open_.preamble and "End of image" not in open_.preamble
+
+
 def test_multi_turn_questions_are_about_different_images():
     item = T.make_item("multi_turn", 1, 4)
     assert len(item.scenes) == 8 and 4 <= len(item.questions) <= 8
@@ -96,6 +111,8 @@ def test_bad_arguments_are_refused():
         T.make_item("multi_turn", 0, 0, n_images=4, n_questions=6)
     with pytest.raises(ValueError, match="kinds"):
         T.make_item("single", 0, 0, kinds=("count",))
+    with pytest.raises(ValueError, match="labels must be one of"):
+        T.make_item("multi_image", 0, 0, labels="closed")
 
 
 def test_answer_matching_and_chance():

@@ -98,7 +98,8 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
                                         (dict(lora_rank=-1), "lora_rank"), (dict(lora_rank=2, lora_targets=","), "target"),
                                         (dict(lora_rank=2, lora_alpha=0.0), "lora_alpha"),
                                         (dict(lora_rank=2, lora_grow=True), "lora_grow"),
-                                        (dict(multi_questions=3, multi_images="2,4"), "multi_questions")])
+                                        (dict(multi_questions=3, multi_images="2,4"), "multi_questions"),
+                                        (dict(image_labels="closed"), "image_labels")])
 def test_config_is_checked(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, **bad).validate()
