@@ -17,6 +17,7 @@ from vlm_kv.config import Budget
 from vlm_kv.storage.ledger import TokenLedger
 from vlm_kv.policies.base import ScoreContext, Scorer, protect, protected_counts
 from vlm_kv.storage.store import PaddedView, VarlenKVStore
+from vlm_kv.storage.ordering import descending_order
 
 
 class EvictedLayer(Protocol):
@@ -223,7 +224,7 @@ class LayerwiseStep:
         b = scores.shape[0]
         flat = scores.reshape(b, -1)
         pool = flat if self._best is None else torch.cat([self._best, flat], dim=1)
-        ordered = pool.sort(dim=1, descending=True).values
+        ordered = pool.gather(1, descending_order(pool))
         kmax = int(k.max()) if k.numel() else 0
         self._best = ordered[:, :kmax]
         index = (k - 1).clamp(min=0, max=ordered.shape[1] - 1).view(b, 1)

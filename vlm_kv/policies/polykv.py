@@ -40,6 +40,7 @@ from vlm_kv.policies.base import ScoreContext, Scorer, protected_counts
 from vlm_kv.policies.catalog import layer_policy_spec
 from vlm_kv.policies.strategy import PHASES, Strategy, StrategyError, resolve_strategy
 from vlm_kv.storage.allocation import Allocation, HeadAdaptive, Uniform
+from vlm_kv.storage.ordering import descending_order
 
 
 def split_capacity(total: int, shares: list[float], limit: int) -> list[int]:
@@ -123,7 +124,7 @@ def split_by_modality(scores: torch.Tensor, modality: torch.Tensor, valid: torch
         if not bool(mine.any()):
             continue
         pool = flat_s.float().masked_fill(~mine, float("-inf"))
-        order = torch.argsort(pool, dim=-1, descending=True, stable=True)
+        order = descending_order(pool)
         ranks = torch.empty_like(order)
         ranks.scatter_(-1, order, torch.arange(pool.shape[-1]).expand_as(order))
         within |= mine & (ranks < quotas[..., code : code + 1])

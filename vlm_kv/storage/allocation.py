@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from vlm_kv.models.adapters import MODALITIES
+from vlm_kv.storage.ordering import descending_order
 
 
 def top_k_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -21,7 +22,7 @@ def top_k_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     Exact counts (ties broken by order), and never an empty slot (-inf) unless k exceeds the
     valid entries, in which case the caller's validity mask removes them.
     """
-    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    order = descending_order(scores)
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
     while k.dim() < scores.dim():

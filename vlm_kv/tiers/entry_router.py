@@ -179,14 +179,15 @@ class EntryRouter:
         ranking = Ranking.by_score(e.group[cand], e.score[cand], groups)
         order = ranking.order
         g, rank, n, start = ranking.group, ranking.rank, ranking.counts, ranking.start
-        win, btok = e.win[cand][order], e.btok[cand][order]
+        ranked = cand[order]
+        win, btok = e.win[ranked], e.btok[ranked]
         N = g.numel()
         pos = torch.arange(N, device=device)
 
         first = torch.full((NW,), N, dtype=torch.long, device=device).scatter_reduce_(0, win, pos, reduce="amin")
         last = torch.full((NW,), -1, dtype=torch.long, device=device).scatter_reduce_(0, win, pos, reduce="amax")
         # the best-ranked entry of a ledgered window pays for keeping it, unless a forced entry already does
-        pays_ledger = (first[win] == pos) & w_ledger[win] & ~w_forced[win]
+        pays_ledger = (first[win] == pos) & (w_ledger & ~w_forced)[win]
         cost = btok + b_q * pays_ledger.long()
         cum, group_cost = ranking.cumsum(cost)  # inclusive, within group
         all_fp = group_cost <= free  # rule 1
@@ -198,22 +199,22 @@ class EntryRouter:
         hist_last = segment_counts(last[chargeable], N + 1)
         suffix = torch.flip(torch.cumsum(torch.flip(hist_last, [0]), 0), [0])  # windows with last >= p
         end = start + n
-        above = suffix[pos] - suffix[end[g]]
+        above = suffix[:N] - ranking.spread(suffix[end])
         paid = chargeable & w_ledger
         pf = exclusive_cumsum(segment_counts(first[paid], N + 1))  # paid windows with first < p
         pl = exclusive_cumsum(segment_counts(last[paid], N + 1))
-        prepaid = (pf[pos] - pf[start[g]]) - (pl[pos] - pl[start[g]])  # paid windows with first < p <= last
-        fits = (cum - cost) + b_q * (above - prepaid) <= free[g]
+        prepaid = (pf[:N] - pl[:N]) - ranking.spread(pf[start] - pl[start])  # paid windows with first < p <= last
+        fits = (cum - cost) + b_q * (above - prepaid) <= ranking.spread(free)
         n_fit = torch.full((groups,), -1, dtype=torch.long, device=device).scatter_reduce_(0, g[fits], rank[fits], reduce="amax")
         # rule 3
-        fp_spec = cum <= (1.0 - q[g]) * free[g].double()
+        fp_spec = cum <= ranking.spread((1.0 - q) * free.double())
         n_spec = ranking.totals(fp_spec.long())
         used = ranking.totals(cost * fp_spec)
         use_fit = (n_fit >= 0) & (n_fit >= n_spec) & (q > 0)
         n_fp = torch.where(use_fit, n_fit, n_spec)
         n_fp = torch.where(all_fp, n, n_fp)
 
-        is_fp = rank < n_fp[g]
+        is_fp = rank < ranking.spread(n_fp)
         # windows with an entry left out of FP compete for INT2; paid ones take it at no extra cost
         rest_win = win[~is_fp]
         w_rest = torch.zeros(NW, dtype=torch.bool, device=device)
@@ -225,7 +226,7 @@ class EntryRouter:
         contest = w_rest & ~w_paid & ~use_fit[w_group] & ~all_fp[w_group]
         contest &= (q > 0)[w_group]
         if bool(contest.any()):
-            wscore = self._window_scores(cand[order][~is_fp], e, windows)
+            wscore = self._window_scores(ranked[~is_fp], e, windows)
             ids = torch.nonzero(contest).flatten()
             by_window = Ranking.by_score(w_group[ids], wscore[ids], groups)
             ids = ids[by_window.order]

@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from vlm_kv.storage.allocation import Allocation, HeadAdaptive
+from vlm_kv.storage.ordering import descending_order
 from vlm_kv.tiers.routing import LayerRouting, RoutedLayer
 from vlm_kv.tiers.windows import EVICT, row_groups
 
@@ -93,14 +94,21 @@ class Ranking:
 
     @classmethod
     def by_score(cls, group: torch.Tensor, score: torch.Tensor, groups: int) -> "Ranking":
-        by_score = torch.argsort(score, descending=True, stable=True)
+        by_score = descending_order(score)
         # one group (a global ranking of one sequence): the second stable sort would keep this order
         order = by_score if groups == 1 else by_score[torch.argsort(group[by_score], stable=True)]
         g = group[order]
         counts = segment_counts(g, groups)
         start = exclusive_cumsum(counts)
-        rank = torch.arange(g.numel(), device=g.device) - start[g]
+        rank = torch.arange(g.numel(), device=g.device)
+        if groups > 1:
+            rank -= start[g]
         return cls(order, g, counts, start, rank, groups)
+
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """[N] each ranked place's value of the per-group ``x`` [groups] (a view when there is one
+        group: a global ranking gathers nothing)."""
+        return x.expand(self.group.numel()) if self.groups == 1 else x[self.group]
 
     def totals(self, x: torch.Tensor) -> torch.Tensor:
         """[groups] ``x`` (in ranked order) summed per group."""
@@ -109,7 +117,7 @@ class Ranking:
     def cumsum(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inclusive prefix sums of ``x`` (in ranked order) within each group, and the group totals."""
         total = self.totals(x)
-        return torch.cumsum(x, 0) - exclusive_cumsum(total)[self.group], total
+        return torch.cumsum(x, 0) - self.spread(exclusive_cumsum(total)), total
 
     def unrank(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` (in ranked order) back in the candidates' order."""
