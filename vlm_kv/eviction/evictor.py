@@ -12,12 +12,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from vlm_kv.storage.allocation import Allocation, GlobalTopK
 from vlm_kv.config import Budget
-from vlm_kv.storage.ledger import TokenLedger
 from vlm_kv.policies.base import ScoreContext, Scorer, protect, protected_counts
-from vlm_kv.storage.store import PaddedView, VarlenKVStore
+from vlm_kv.storage.allocation import Allocation, GlobalTopK
+from vlm_kv.storage.ledger import TokenLedger
 from vlm_kv.storage.ordering import descending_order
+from vlm_kv.storage.store import PaddedView, VarlenKVStore
 
 
 class EvictedLayer(Protocol):
