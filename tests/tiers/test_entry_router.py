@@ -249,3 +249,44 @@ def test_bad_share_schedules_are_refused(bad):
     with pytest.raises(ValueError, match="int2_share= and int2_share_by_budget= .*pass one of them"):
         vlm_kv.make_cache(tiny_model("llama"), policy="h2o", budget=0.2,
                           tiers={"fp_unit": "token", "int2_share": 0.5, "int2_share_by_budget": (0.1, 0.5, 0.25, 0.3)})
+
+
+def test_an_event_quantizes_every_layers_fresh_windows_in_one_call_with_the_same_codes(monkeypatch):
+    from vlm_kv.tiers.int2_tier import Int2Tier
+
+    model = tiny_model("llama")
+    gates = tiny_gates(model)
+    tokens = random_tokens(96 + 24, batch=2, vocab=model.config.vocab_size)
+    calls = []
+    quantize = Int2Tier.quantize
+
+    def counted(self, keys, values):
+        calls.append(keys.shape[0])
+        return quantize(self, keys, values)
+
+    monkeypatch.setattr(Int2Tier, "quantize", counted)
+
+    def run(per_layer: bool):
+        cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.2, gates=gates,
+                                  tiers={"fp_unit": "token", "int2_share": 0.5})
+        if per_layer:  # the same event, one layer at a time
+            strategy = cache.router.strategy
+            cache.router.strategy.apply_all = lambda layers, routings, decisions, fallback: [
+                EntryRouter.apply_all(strategy, [l], [r], [d], [f]) for l, r, d, f in zip(layers, routings, decisions, fallback)]
+        calls.clear()
+        logits = feed_tokens(model, cache, tokens, 96)
+        return cache, logits, list(calls)
+
+    alone, logits_alone, calls_alone = run(per_layer=True)
+    together, logits_together, calls_together = run(per_layer=False)
+    assert len(together.layers) > 1
+    # fewer, larger calls: the decode events' windows of every layer went in together
+    assert len(calls_together) < len(calls_alone)
+    assert sum(calls_together) == sum(calls_alone) > 0
+    for a, b in zip(alone.layers, together.layers):
+        for name in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "key_ref"):
+            assert torch.equal(getattr(a.tier.codes, name), getattr(b.tier.codes, name))
+        assert torch.equal(a.tier.positions, b.tier.positions) and torch.equal(a.tier.active, b.tier.active)
+        assert torch.equal(a.store.body_keys, b.store.body_keys)
+        assert a.tier.counters == b.tier.counters
+    torch.testing.assert_close(logits_together, logits_alone, rtol=0, atol=0)

@@ -113,6 +113,10 @@ class QuantizedWindows:
     def cat(parts: list["QuantizedWindows"]) -> "QuantizedWindows":
         return QuantizedWindows(*(torch.cat(ts) for ts in zip(*(p._tensors() for p in parts))))
 
+    def split(self, sizes: list[int]) -> list["QuantizedWindows"]:
+        """Consecutive runs of ``sizes`` windows (views, in order): the inverse of ``cat``."""
+        return [QuantizedWindows(*ts) for ts in zip(*(t.split(sizes) for t in self._tensors()))]
+
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, w, D] keys and values in ``dtype``."""
         keys = dequantize_keys(self.key_codes, *self.key_grid()).to(dtype)
@@ -201,6 +205,10 @@ class TierCounters:
     demotions: int = 0        # FP -> INT2, windows
     promotions: int = 0       # INT2 -> FP, windows
     evicted_windows: int = 0  # INT2 windows evicted
+
+    def add(self, other: "TierCounters") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass(frozen=True)
@@ -429,6 +437,12 @@ class Int2Tier:
         """Codes of windows [n, w, D] (keys already pre-RoPE when ``rope`` is set), in the tier's basis."""
         return QuantizedWindows.quantize(_into(keys, self.key_basis), _into(values, self.value_basis), self.key_grid)
 
+    def quantizes_like(self, other: "Int2Tier") -> bool:
+        """``quantize`` gives both tiers the same codes for the same windows (same window, head size,
+        key grid and bases): their windows may be quantized in one call."""
+        return (self.window == other.window and self.head_dim == other.head_dim and self.key_grid == other.key_grid
+                and _same_basis(self.key_basis, other.key_basis) and _same_basis(self.value_basis, other.value_basis))
+
     def dequantize(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE, as attended) and values [len(idx), w, D] of ledger windows ``idx``, model dtype."""
         c = self.codes
@@ -547,11 +561,12 @@ class Int2Tier:
         """Keep ledger entries ``keep`` [n] with activity ``active`` [n]; ``refreshed`` overwrites
         positions/modality/state of kept entries (rows given by ``refreshed.index``, into the
         kept order) and ``new`` appends freshly quantized windows (active). The spill tier
-        follows the ledger: kept entries keep their host copies, dropped ones free them."""
+        follows the ledger: kept entries keep their host copies, dropped ones free them. The
+        result is in layout order (``_layout_order``), its codes gathered once."""
         idx = torch.nonzero(keep).flatten()
-        if self.spill is not None:
-            self._rebuild_spill(idx, new)
-        codes = self.codes.select(idx)
+        added = new is not None and len(new.codes) > 0
+        if self.spill is not None and added and (new.spill is None or len(new.spill) != len(new.codes)):
+            raise RuntimeError("spill tier: every newly quantized window needs its host copy")
         row, wid = self.row[idx], self.window_id[idx]
         positions, modality = self.positions[idx], self.modality[idx]
         state = {n: t[idx] for n, t in self.state.items()}
@@ -562,33 +577,48 @@ class Int2Tier:
             modality[at] = refreshed.modality
             for n in self.state_names:
                 state[n][at] = refreshed.state[n]
-        if new is not None and len(new.codes):
+        codes, spill, src = self.codes, self.spill, idx  # the result's windows: codes[src]
+        if added:
             codes = QuantizedWindows.cat([codes, new.codes])
+            if spill is not None:
+                spill = SpillCopies.cat([spill, new.spill], self.pin_spill)
+            src = torch.cat([idx, len(self) + torch.arange(len(new.codes), device=self.device)])
             row, wid = torch.cat([row, new.row]), torch.cat([wid, new.window_id])
             positions, modality = torch.cat([positions, new.positions]), torch.cat([modality, new.modality])
             state = {n: torch.cat([state[n], new.state[n]]) for n in self.state_names}
             act = torch.cat([act, torch.ones(len(new.codes), dtype=torch.bool, device=self.device)])
-        self.codes, self.row, self.window_id = codes, row, wid
+        order = self._layout_order(row, wid, act)
+        if order is not None:
+            src, row, wid, act = src[order], row[order], wid[order], act[order]
+            positions, modality = positions[order], modality[order]
+            state = {n: t[order] for n, t in state.items()}
+        if not (src.numel() == len(codes) and bool((src == torch.arange(len(codes), device=self.device)).all())):
+            codes = codes.select(src)
+            if spill is not None:
+                spill = spill.select(src, self.pin_spill)
+        self.codes, self.spill, self.row, self.window_id = codes, spill, row, wid
         self.positions, self.modality, self.state, self.active = positions, modality, state, act
         self._num_active = int(act.sum())
         self._forget_layout()
-        self._put_in_layout_order()
+
+    def _layout_order(self, row: torch.Tensor, window_id: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
+        """The permutation that puts a ledger in layout order: active windows first, by row (sequence,
+        then KV head) and window id; dormant ones after, in their order (None: already in it). Why:
+        every decode step reads the active windows, and in this order it reads them as slices."""
+        n = row.numel()
+        if n == 0:
+            return None
+        span = int(window_id.max()) + 1
+        rank = torch.where(active, row * span + window_id,
+                           self.batch_size * self.num_kv_heads * span + torch.arange(n, device=self.device))
+        order = torch.argsort(rank)
+        return None if bool((order == torch.arange(n, device=self.device)).all()) else order
 
     def _put_in_layout_order(self) -> None:
-        """Reorder the ledger: active windows first, by row (sequence, then KV head) and window id;
-        dormant ones after, in their order. Why: every decode step reads the active windows, and
-        in this order it reads them as slices; the reorder costs one copy per routing event."""
-        n = len(self)
-        if n == 0:
-            return
-        span = int(self.window_id.max()) + 1
-        ahead = self.row * span + self.window_id
-        rank = torch.where(self.active, ahead, self.batch_size * self.num_kv_heads * span
-                           + torch.arange(n, device=self.device))
-        order = torch.argsort(rank)
-        if bool((order == torch.arange(n, device=self.device)).all()):
-            return
-        self._take(order)
+        """Reorder the ledger into layout order (one copy, when it is not in it already)."""
+        order = self._layout_order(self.row, self.window_id, self.active)
+        if order is not None:
+            self._take(order)
 
     def _take(self, idx: torch.Tensor) -> None:
         """Keep ledger entries ``idx`` (in that order) in every ledger-aligned tensor."""
@@ -600,15 +630,6 @@ class Int2Tier:
         if self.spill is not None:
             self.spill = self.spill.select(idx, self.pin_spill)
         self._forget_layout()
-
-    def _rebuild_spill(self, idx: torch.Tensor, new: "NewWindows | None") -> None:
-        added = new is not None and len(new.codes) > 0
-        if added and (new.spill is None or len(new.spill) != len(new.codes)):
-            raise RuntimeError("spill tier: every newly quantized window needs its host copy")
-        if not added and idx.numel() == len(self.spill):
-            return  # nothing dropped, nothing added: no host copy to move
-        spill = self.spill.select(idx, self.pin_spill) if idx.numel() != len(self.spill) else self.spill
-        self.spill = SpillCopies.cat([spill, new.spill], self.pin_spill) if added else spill
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every sequence's windows ``repeats`` times (as ``VarlenKVStore.repeat_batch``)."""
@@ -629,6 +650,12 @@ class Int2Tier:
 
 def _into(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     return x if basis is None else x.float() @ basis
+
+
+def _same_basis(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a is b or (a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b)))
 
 
 def _out_of(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:

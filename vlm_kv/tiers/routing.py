@@ -101,3 +101,8 @@ class RouterStrategy(Protocol):
     def apply(self, layer: RoutedLayer, routing: LayerRouting, decision: torch.Tensor, fallback: torch.Tensor) -> None:
         """Carry out one layer's decisions: rebuild its FP store and its tier."""
         ...
+
+    def apply_all(self, layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting],
+                  decisions: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor]) -> None:
+        """``apply`` for every layer of an event (the same result as one call per layer)."""
+        ...

@@ -128,8 +128,7 @@ class TierRouter:
                           before: int) -> None:
         """The event over every layer at once: decide, apply per layer, count what left."""
         decisions, fallback = self._decide(layers, routings, event.allocation, event.scorer)
-        for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
-            self.strategy.apply(layer, r, dec, fb)
+        self.strategy.apply_all(layers, routings, decisions, fallback)
         event.evictor.end_step(before, sum(layer.num_entries() for layer in layers))
 
     # ------------------------------------------------------------ layer by layer, during a prefill
@@ -383,6 +382,12 @@ class WindowRouter:
         return k, q_of
 
     # ------------------------------------------------------------------ apply
+    def apply_all(self, layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting],
+                  decisions: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor]) -> None:
+        """``apply`` layer by layer."""
+        for layer, r, dec, fb in zip(layers, routings, decisions, fallback):
+            self.apply(layer, r, dec, fb)
+
     def apply(self, layer: RoutedLayer, r: LayerRouting, decision: torch.Tensor, fallback: torch.Tensor) -> None:
         """Carry out one layer's window decisions: FP windows kept, demoted (through their stored
         codes when the ledger has them) or dropped; INT2 windows kept, promoted or dropped."""
