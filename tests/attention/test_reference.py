@@ -199,3 +199,42 @@ def test_attention_received_sums_the_same_whatever_its_chunk_and_bounds_a_chunk_
     monkeypatch.setattr(reference, "RECEIVED_CHUNK_BYTES", 2000)
     torch.testing.assert_close(reference.attention_received(q, view, positions, None), whole)
     assert chunks == [5, 5, 2]
+
+
+def test_masked_attention_takes_its_queries_in_blocks_within_the_mask_bound_with_the_same_output(monkeypatch):
+    from vlm_kv.attention import reference
+
+    gen = torch.Generator().manual_seed(5)
+    view = _random_view(2, 2, 20, 8, gen)
+    query = torch.randn(2, 4, 11, 8, generator=gen)  # 2 query heads per kv head
+    q_pos = torch.arange(25, 36)
+    whole = varlen_attention(query, view, q_pos, None)
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return real_sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(reference.F, "scaled_dot_product_attention", counting)
+    # 4 bytes x 2 sequences x 4 query heads x 20 entries = 640 bytes of float mask a query: 2000 fit 3
+    monkeypatch.setattr(reference, "MASKED_BLOCK_BYTES", 2000)
+    blocked = varlen_attention(query, view, q_pos, None)
+    assert calls == [2 * 3, 2 * 3, 2 * 3, 2 * 2]  # packed rows: 2 query heads a kv head x the block's queries
+    assert torch.equal(blocked, whole)
+    torch.testing.assert_close(whole, _reference_view(query, view, q_pos), rtol=1e-5, atol=1e-6)
+
+
+def _reference_view(query, view, q_pos):
+    """Softmax over each query's visible entries, one (sequence, head, query) at a time."""
+    b, hq, q, d = query.shape
+    g = hq // view.keys.shape[1]
+    out = torch.zeros(b, q, hq, d)
+    for s in range(b):
+        for head in range(hq):
+            kv = head // g
+            for i in range(q):
+                seen = view.valid[s, kv] & (view.positions[s, kv] <= q_pos[i])
+                logits = view.keys[s, kv][seen] @ query[s, head, i] * d ** -0.5
+                out[s, i, head] = torch.softmax(logits, 0) @ view.values[s, kv][seen]
+    return out

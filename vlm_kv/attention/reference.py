@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from vlm_kv.storage.store import PaddedView
 
+MASKED_BLOCK_BYTES = 4 * 2**20  # the most float mask one masked SDPA call of ``varlen_attention`` builds
+
+
 def _visible(view: PaddedView, query_positions: torch.Tensor) -> torch.Tensor:
     """[B, H, Q, L] bool: valid entries not in the query's future (rows may be all False)."""
     return view.valid[:, :, None, :] & (view.positions[:, :, None, :] <= query_positions.view(1, 1, -1, 1))
@@ -56,10 +59,19 @@ def varlen_attention(
                 query, view.keys, view.values, is_causal=causal, scale=scaling, enable_gqa=hq != h
             )
             return out.transpose(1, 2)
-    mask = _gqa_mask(attention_mask(view, query_positions), hq // h)
-    packed = _pack_gqa(query, h)
-    out = F.scaled_dot_product_attention(packed, view.keys, view.values, attn_mask=mask, scale=scaling)
-    return out.view(b, hq, q, d).transpose(1, 2)
+    # SDPA turns a boolean mask into one of the query's dtype: [B, Hq, Q, L] floats, 75 MB for a
+    # 1024-token prefill chunk over 2048 entries in float32 (more than DynamicCache's whole prefill
+    # peak adds). So the queries go in blocks whose mask stays within MASKED_BLOCK_BYTES; each
+    # query's row is computed alone either way (tested: the same output).
+    block = max(1, MASKED_BLOCK_BYTES // max(1, b * hq * view.length * 4))
+    outs = []
+    for start in range(0, q, block):
+        rows = slice(start, min(q, start + block))
+        mask = _gqa_mask(attention_mask(view, query_positions[rows]), hq // h)
+        packed = _pack_gqa(query[:, :, rows], h)
+        out = F.scaled_dot_product_attention(packed, view.keys, view.values, attn_mask=mask, scale=scaling)
+        outs.append(out.view(b, hq, rows.stop - rows.start, d))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)
 
 
 def rotated_tier_attention(
