@@ -126,7 +126,7 @@ class TierRouter:
 
     def _decide_and_apply(self, event: "_Event", layers: Sequence[RoutedLayer], routings: Sequence[LayerRouting],
                           before: int) -> None:
-        """The event over every layer at once: decide, apply per layer, count what left."""
+        """The event over every layer at once: decide, carry out (the strategy's ``apply_all``), count what left."""
         decisions, fallback = self._decide(layers, routings, event.allocation, event.scorer)
         self.strategy.apply_all(layers, routings, decisions, fallback)
         event.evictor.end_step(before, sum(layer.num_entries() for layer in layers))
