@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from vlm_kv.storage.store import VarlenKVStore
@@ -96,3 +97,49 @@ def test_uniform_rows_keeping_equal_counts_compact_like_the_general_path(monkeyp
     for a, b in zip(_snapshot(fast), _snapshot(general)):
         assert torch.equal(a, b)
     assert fast.uniform and fast.tail_size == 0 and fast.kv_bytes() == general.kv_bytes()
+
+
+def _entry_source_matches_padded_view(store):
+    view = store.padded_view(states=("s",))
+    b, h, col = torch.nonzero(view.valid, as_tuple=True)
+    keys, values = store.entry_source().read(b, h, col)
+    assert torch.equal(keys, view.keys[b, h, col]) and torch.equal(values, view.values[b, h, col])
+    bare = store.padded_view(with_values=False, with_keys=False, states=("s",))
+    assert bare.keys.shape == view.keys.shape[:3] + (0,) and bare.values.shape[-1] == 0
+    for name in ("positions", "modality", "valid"):
+        assert torch.equal(getattr(bare, name), getattr(view, name))
+    assert torch.equal(bare.state["s"], view.state["s"])
+
+
+def test_entry_source_reads_what_the_padded_view_lays_out():
+    """Tail only, a uniform body and tail, ragged rows with a tail, ragged rows alone."""
+    store = _store()
+    _append(store, 0, 6)
+    _entry_source_matches_padded_view(store)
+    view = store.padded_view()
+    store.compact(view.positions < 4)  # every row keeps 4: uniform
+    _append(store, 6, 3)
+    assert store.uniform
+    _entry_source_matches_padded_view(store)
+    view = store.padded_view()
+    store.compact(view.positions < (1 + torch.arange(3)).view(1, 3, 1))  # rows keep 1, 2, 3
+    assert not store.uniform
+    _entry_source_matches_padded_view(store)
+    _append(store, 9, 2)
+    _entry_source_matches_padded_view(store)
+
+
+def test_entry_source_keeps_reading_the_entries_of_its_moment():
+    store = _store()
+    _append(store, 0, 6)
+    source = store.entry_source()
+    view = store.padded_view()
+    b, h, col = torch.nonzero(view.valid, as_tuple=True)
+    store.compact(view.positions < 2)
+    keys, _ = source.read(b, h, col)
+    assert torch.equal(keys, view.keys[b, h, col])
+
+
+def test_a_padded_view_without_keys_has_no_values():
+    with pytest.raises(ValueError, match="without keys"):
+        _store().padded_view(with_keys=False)

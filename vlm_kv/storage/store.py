@@ -81,6 +81,42 @@ class PaddedView:
         return self.keys.shape[2]
 
 
+@dataclass(frozen=True)
+class EntrySource:
+    """Keys and values of a store's entries addressed as ``padded_view`` lays them out, read from
+    where they lay when it was made (``VarlenKVStore.entry_source``). Why: a routing event moves a few
+    entries of each layer, and reading just those costs less than laying out every key and value.
+    It holds the tensors of that moment, so a later compaction (which writes new ones) cannot move
+    what it reads; no step writes into them in place while an event runs."""
+
+    body_keys: torch.Tensor    # [N, D]
+    body_values: torch.Tensor  # [N, D]
+    row_starts: torch.Tensor   # [B * H]
+    lengths: torch.Tensor      # [B * H] body entries of each row
+    tail_keys: torch.Tensor    # [B, H, T, D]
+    tail_values: torch.Tensor  # [B, H, T, D]
+
+    def read(self, b: torch.Tensor, h: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, D] of the entries at (b, h, col) of the padded layout (valid ones only)."""
+        H = self.tail_keys.shape[1]
+        row = b * H + h
+        body_len = self.lengths[row]
+        in_body = col < body_len
+        if bool(in_body.all()):
+            at = self.row_starts[row] + col
+            return self.body_keys[at], self.body_values[at]
+        n, D = col.numel(), self.body_keys.shape[-1]
+        keys = torch.empty(n, D, dtype=self.body_keys.dtype, device=col.device)
+        values = torch.empty(n, D, dtype=self.body_values.dtype, device=col.device)
+        i = torch.nonzero(in_body).flatten()
+        at = self.row_starts[row[i]] + col[i]
+        keys[i], values[i] = self.body_keys[at], self.body_values[at]
+        i = torch.nonzero(~in_body).flatten()
+        t = col[i] - body_len[i]
+        keys[i], values[i] = self.tail_keys[b[i], h[i], t], self.tail_values[b[i], h[i], t]
+        return keys, values
+
+
 class VarlenKVStore:
     """Keys, values and per-entry metadata of one layer, compact per KV head."""
 
@@ -368,14 +404,24 @@ class VarlenKVStore:
         """(start, count) of batch row ``b``'s entries in the flat body."""
         return self._batch_spans[b]
 
+    def entry_source(self) -> EntrySource:
+        """The entries' keys and values as they lie now, addressed like ``padded_view``."""
+        return EntrySource(self.body_keys, self.body_values, self.row_starts, self.lengths,
+                           self.tail_keys, self.tail_values)
+
     def padded_view(
-        self, with_values: bool = True, states: tuple[str, ...] = (), with_modality: bool = True
+        self, with_values: bool = True, states: tuple[str, ...] = (), with_modality: bool = True,
+        with_keys: bool = True,
     ) -> PaddedView:
         """Body then tail per (batch, head) row, left aligned, padded to the longest row.
 
         Attention needs only keys, values, positions and validity; scoring and compaction
-        ask for modality and policy state too.
+        ask for modality and policy state too. ``with_keys=False`` (needs ``with_values=False``):
+        keys [B, H, L, 0], for scoring by state and positions (``entry_source`` reads the few
+        entries a routing event moves).
         """
+        if not with_keys and with_values:
+            raise ValueError("a padded view without keys carries no values either (with_values=False)")
         B, H, T = self.batch_size, self.num_kv_heads, self.tail_size
         dev = self.device
         tail_valid = self.tail_valid[:, None, :].expand(B, H, T)
@@ -384,7 +430,7 @@ class VarlenKVStore:
         tail_state = self.tail_state
         if self.body_size == 0:
             return PaddedView(
-                keys=self.tail_keys,
+                keys=self.tail_keys if with_keys else self.tail_keys[..., :0],
                 values=self.tail_values if with_values else self.tail_values[..., :0],
                 positions=tail_pos,
                 modality=tail_mod,
@@ -400,7 +446,8 @@ class VarlenKVStore:
                 body = body.to(dtype).view((B, H, L) + tuple(body.shape[1:]))
                 return torch.cat([body, tail.to(dtype)], dim=2) if T else body
 
-            keys = side(self.body_keys, self.tail_keys, self.dtype)
+            keys = (side(self.body_keys, self.tail_keys, self.dtype) if with_keys
+                    else torch.empty(B, H, L + T, 0, dtype=self.dtype, device=dev))
             values = side(self.body_values, self.tail_values, self.dtype) if with_values else keys[..., :0]
             valid = torch.cat([torch.ones(B, H, L, dtype=torch.bool, device=dev), tail_valid], dim=2)
             positions = side(self.body_positions, tail_pos, torch.long)
@@ -418,7 +465,8 @@ class VarlenKVStore:
                 out[row_ids, tail_cols] = tail.reshape((rows, T) + tuple(body.shape[1:])).to(dtype)
             return out.view((B, H, longest) + tuple(body.shape[1:]))
 
-        keys = lay(self.body_keys, self.tail_keys, 0, self.dtype)
+        keys = (lay(self.body_keys, self.tail_keys, 0, self.dtype) if with_keys
+                else torch.empty(B, H, longest, 0, dtype=self.dtype, device=dev))
         values = lay(self.body_values, self.tail_values, 0, self.dtype) if with_values else keys[..., :0]
         ones = torch.ones(self.body_size, dtype=torch.bool, device=dev)
         valid = lay(ones, tail_valid, 0, torch.bool)

@@ -328,7 +328,7 @@ class EntryRouter:
             fresh_key = torch.unique(((b * H + h) * Wn + window_of(p, r.origin[b], w))[fresh])
             all_key = (row_of * Wn + r.window_ids(r.fp.positions))
             members = (keep_fp | demote) & torch.isin(all_key, fresh_key)
-            win = gather_windows(r.fp, members, w, Wn, layer.store.state_names, r.origin, tier.rope,
+            win = gather_windows(r.fp, r.source, members, w, Wn, layer.store.state_names, r.origin, tier.rope,
                                  keep_original=tier.spill is not None)
             demoted_key = (((b * H + h) * Wn) * w + p)[fresh]  # row * Wn * w + position
             slot_key = ((win.row * Wn)[:, None] * w + win.positions.long())

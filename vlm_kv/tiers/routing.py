@@ -12,7 +12,7 @@ import torch
 
 from vlm_kv.policies.base import Scorer
 from vlm_kv.storage.allocation import Allocation, top_k_mask
-from vlm_kv.storage.store import PaddedView, VarlenKVStore
+from vlm_kv.storage.store import EntrySource, PaddedView, VarlenKVStore
 from vlm_kv.tiers.int2_tier import Int2Tier
 from vlm_kv.tiers.windows import FP, INT2, window_of
 
@@ -32,7 +32,8 @@ class RoutedLayer(Protocol):
 class LayerRouting:
     """One layer's entries and windows at a routing event."""
 
-    fp: PaddedView                 # FP entries with values, store layout
+    fp: PaddedView                 # FP entries' metadata (keys only where the scorer reads them), store layout
+    source: EntrySource            # the FP entries' keys and values, read where they lie (those an event moves)
     tier_slot: torch.Tensor        # [B, H, Lq] ledger slot of each INT2 entry (-1 empty)
     scores: torch.Tensor           # [B, H, Lf + Lq] protected +inf, empty -inf
     positions: torch.Tensor        # [B, H, Lf + Lq]

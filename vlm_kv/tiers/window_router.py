@@ -219,9 +219,10 @@ class _Event:
         states = evictor.scorer.state_names
         layer_scorer = self.scorer.for_layer(layer.layer_idx)
         cap_layer = self.layer_capacity(layer.layer_idx)
-        fp = layer.store.padded_view(with_values=True, states=states)
-        # a scorer of state and positions only: no INT2 key is dequantized to be scored
+        # a scorer of state and positions only: no key is laid out or dequantized to be scored (the
+        # entries the event moves are read from ``source``)
         with_keys = layer_scorer.score_reads_keys
+        fp = layer.store.padded_view(with_values=False, with_keys=with_keys, states=states)
         tv = layer.tier.view(states=states, with_values=False, with_keys=with_keys, dtype=fp.keys.dtype)
         # scores of single entries need no position order (smoothing along positions does)
         merged, perm = merge_views(fp, tv.view, sort=not layer_scorer.score_is_per_entry)
@@ -229,7 +230,7 @@ class _Event:
         if perm is not None:
             scores = unsort(scores, perm)
         return LayerRouting(
-            fp=fp, tier_slot=tv.slot, scores=scores,
+            fp=fp, source=layer.store.entry_source(), tier_slot=tv.slot, scores=scores,
             positions=torch.cat([fp.positions, tv.view.positions], dim=2),
             valid=torch.cat([fp.valid, tv.view.valid], dim=2),
             num_windows=-(-layer.seen // window), cap=cap_layer,
@@ -415,7 +416,7 @@ class WindowRouter:
 
         insert = self._promoted_entries(tier, promote, store.state_names)
         spill = tier.spill is not None
-        demoted = gather_windows(r.fp, demote, w, Wn, store.state_names, r.origin, tier.rope, keep_original=spill)
+        demoted = gather_windows(r.fp, r.source, demote, w, Wn, store.state_names, r.origin, tier.rope, keep_original=spill)
         # which demoted windows have a dormant ledger entry: reuse its codes
         new_windows, refreshed = None, None
         keep = stay | keep_dormant | promote | reactivate

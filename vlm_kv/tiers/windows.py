@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm_kv.storage.store import PaddedView
+from vlm_kv.storage.store import EntrySource, PaddedView
 
 FP, INT2, EVICT = 0, 1, 2
 
@@ -67,31 +67,31 @@ def row_groups(mode: str, layer: int, B: int, H: int, device: torch.device) -> t
     return layer * B * H + rows
 
 
-def gather_windows(fp: PaddedView, demote: torch.Tensor, w: int, Wn: int, state_names, origin: torch.Tensor,
-                   rope=None, keep_original: bool = False) -> "WindowEntries | None":
-    """The FP entries marked in ``demote``, gathered per window ([n, w, ...], by slot; ``origin`` [B]:
-    each sequence's first real position); with ``keep_original`` also the keys as cached (post-RoPE)
-    for the spill tier."""
+def gather_windows(fp: PaddedView, source: EntrySource, demote: torch.Tensor, w: int, Wn: int, state_names,
+                   origin: torch.Tensor, rope=None, keep_original: bool = False) -> "WindowEntries | None":
+    """The FP entries marked in ``demote`` (laid out like ``fp``, their keys and values read from
+    ``source``), gathered per window ([n, w, ...], by slot; ``origin`` [B]: each sequence's first real
+    position); with ``keep_original`` also the keys as cached (post-RoPE) for the spill tier."""
     b, h, l = torch.nonzero(demote, as_tuple=True)
     if b.numel() == 0:
         return None
-    H = fp.keys.shape[1]
+    H = fp.positions.shape[1]
     pos = fp.positions[b, h, l]
     row = b * H + h
     wid = window_of(pos, origin[b], w)
     key, inverse = torch.unique(row * Wn + wid, return_inverse=True)
     n = key.numel()
     slot = pos - origin[b] - wid * w
-    D = fp.keys.shape[-1]
-    dev = fp.keys.device
-    cached_keys = fp.keys[b, h, l]
+    cached_keys, cached_values = source.read(b, h, l)
+    D = cached_keys.shape[-1]
+    dev = cached_keys.device
     entry_keys = cached_keys
     if rope is not None:  # quantize pre-RoPE keys (rotated back at each entry's position)
         entry_keys = rope.unrotate(entry_keys, pos)
     keys = torch.zeros(n, w, D, dtype=entry_keys.dtype, device=dev)
-    values = torch.zeros(n, w, D, dtype=fp.values.dtype, device=dev)
+    values = torch.zeros(n, w, D, dtype=cached_values.dtype, device=dev)
     keys[inverse, slot] = entry_keys
-    values[inverse, slot] = fp.values[b, h, l]
+    values[inverse, slot] = cached_values
     present = torch.zeros(n, w, dtype=torch.bool, device=dev)
     present[inverse, slot] = True
     # empty slots (evicted or padding before the first token) copy a present entry so the
