@@ -255,22 +255,13 @@ class TierLayout:
     table: tuple[torch.Tensor, torch.Tensor]  # ([rows, max_windows] int32 ledger index, [rows] int32 counts)
     full: bool                             # every active window holds w attended entries
     slot_mask: torch.Tensor | None         # [n, w] attended slots of every ledger window, None when full
+    windows_per_sequence: tuple[int, ...] = ()  # active windows of each sequence (idx is in that order)
+    windows_per_head: tuple[tuple[int, ...], ...] = ()  # per sequence, active windows of each KV head
+    prefix: bool = False                   # idx is 0..n-1: the active windows lead the ledger, in this order
 
     @property
     def idx(self) -> torch.Tensor:
         return self.placement.idx
-
-
-@dataclass(frozen=True)
-class ActiveWindows:
-    """Where a decode step reads the active windows (fixed between routing events): the ledger
-    entries in layout order and how many windows each sequence and KV head has. Lighter than
-    ``TierLayout``: no padded per-row placement, which the kernels do not read."""
-
-    take: slice | torch.Tensor                 # a slice when they lead the ledger in layout order
-    full: bool                                 # every active window holds w attended entries
-    windows_per_sequence: tuple[int, ...]      # in ``take``'s order: by sequence, then KV head
-    windows_per_head: tuple[tuple[int, ...], ...]
 
 
 @dataclass
@@ -323,7 +314,6 @@ class Int2Tier:
         self.active = torch.empty(0, dtype=torch.bool, device=device)
         self._num_active = 0  # read on every decode step: kept as an int, no device sync
         self._layout_cache: TierLayout | None = None
-        self._active_cache: ActiveWindows | None = None
         # packed_windows' views of the codes, fixed between routing events like the layout (dropped
         # with it, so that no view keeps replaced codes alive)
         self._packed_cache: list[PackedWindows] | None = None
@@ -417,42 +407,14 @@ class Int2Tier:
             full=full,
             # attended slots of every ledger window, for the kernels when a window has a hole or an empty slot
             slot_mask=None if full else (self.positions >= 0).contiguous(),
+            windows_per_sequence=tuple(counts.view(B, H).sum(dim=1).tolist()),
+            windows_per_head=tuple(tuple(r) for r in counts.view(B, H).tolist()),
+            prefix=idx.numel() == 0 or (int(idx[0]) == 0 and int(idx[-1]) == idx.numel() - 1),
         )
         return self._layout_cache
 
-    def _active_windows(self) -> ActiveWindows:
-        """The active windows as decode steps read them. Why not ``_layout``: after ``rebuild`` they
-        lead the ledger in layout order, so a decode step reads them as a slice and needs only their
-        counts; building the padded placement too cost the step after each routing event about 0.4 ms
-        a layer at 8192 tokens. Checked, not assumed: any other order goes through ``_layout``."""
-        if self._active_cache is None:
-            B, H, n = self.batch_size, self.num_kv_heads, self._num_active
-            if self._active_lead_in_order():
-                take: slice | torch.Tensor = slice(0, n)
-                row, full = self.row[:n], bool((self.positions[:n] >= 0).all())
-            else:
-                layout = self._layout()
-                take, full = layout.idx, layout.full
-                row = self.row[take]
-            counts = torch.bincount(row, minlength=B * H).view(B, H)
-            self._active_cache = ActiveWindows(take, full, tuple(counts.sum(dim=1).tolist()),
-                                               tuple(tuple(r) for r in counts.tolist()))
-        return self._active_cache
-
-    def _active_lead_in_order(self) -> bool:
-        """Ledger entries 0..num_active-1 are the active windows, by row then window id."""
-        n = self._num_active
-        if n == 0:
-            return True
-        if not bool(self.active[:n].all()):
-            return False
-        row, wid = self.row[:n], self.window_id[:n]
-        ahead = (row[1:] > row[:-1]) | ((row[1:] == row[:-1]) & (wid[1:] > wid[:-1]))
-        return bool(ahead.all())
-
     def _forget_layout(self) -> None:
         self._layout_cache = None
-        self._active_cache = None
         self._packed_cache = None
 
     def window_table(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -550,11 +512,11 @@ class Int2Tier:
         among those, its windows per KV head)."""
         if self.rope is not None:
             raise ValueError(f"{what} need post-RoPE codes: pre-RoPE keys must be rotated back per position")
-        active = self._active_windows()
-        take = active.take
-        holes = None if active.full else self.positions[take] < 0
+        layout = self._layout()
+        take = slice(0, self.num_active) if layout.prefix else layout.idx
+        holes = None if layout.full else self.positions[take] < 0
         spans, start = [], 0
-        for count, per_head in zip(active.windows_per_sequence, active.windows_per_head):
+        for count, per_head in zip(layout.windows_per_sequence, layout.windows_per_head):
             spans.append((slice(start, start + count), per_head))  # ordered by row: by sequence, then head
             start += count
         return take, holes, spans
