@@ -18,6 +18,8 @@
 #   0.06-0.09, sat below the sampled budget, 0.05-0.3), so nothing held the gates to a budget while
 #   their live fraction grew; this run samples budgets where the term binds:
 #   facts2048-lowb: as facts2048-aw05 with --budget-range 0.02,0.12
+# Session 27: neither 2048-token run kept more facts; a recipe change instead of more of it:
+#   facts-s100-aw05: as facts-aw05 (from v3, 60 steps at 1024) with every sample a facts chat
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -29,6 +31,7 @@ for name in $ONLY; do
     facts-aw3) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 3" ;;
     facts-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
     facts-s25-aw1) extra="--facts-share 0.25 --facts-kinds name,date,list --answer-weight 1" ;;
+    facts-s100-aw05) extra="--facts-share 1 --facts-kinds name,date,list --answer-weight 0.5" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
     facts2048-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
