@@ -22,22 +22,35 @@ from vlm_kv.cli.bench import bench_tokens
 from vlm_kv.models.named import load_model
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def prompt_arguments(description: str) -> argparse.ArgumentParser:
+    """The flags every routing timing script shares (``--context``, ``--budget``, ``--threads``, ``--text``)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--text", default="../shared/data/text/pg84.txt")
-    args = p.parse_args()
+    return p
+
+
+@torch.no_grad()
+def prefilled(args: argparse.Namespace):
+    """SmolLM2, ``context + 1`` tokens of the text, and a dbtrimkv + INT2 cache holding the first ``context``."""
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2")
     ids = bench_tokens(tokenizer, args.text, args.context + 1)
+    cache = make_cache(model, policy="dbtrimkv", budget=args.budget, tiers="int2")
+    model(input_ids=ids[:, : args.context], cache=cache, use_cache=True, logits_to_keep=1)
+    return model, ids, cache
+
+
+def main() -> None:
+    p = prompt_arguments(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=64)
+    args = p.parse_args()
+    model, ids, cache = prefilled(args)
     seconds: list[float] = []
     generated: list[int] = []
     with torch.no_grad():
-        cache = make_cache(model, policy="dbtrimkv", budget=args.budget, tiers="int2")
-        model(input_ids=ids[:, : args.context], cache=cache, use_cache=True, logits_to_keep=1)
         evict = cache.evict
 
         def timed_evict() -> None:

@@ -13,30 +13,19 @@ Prints one JSON line with the median and fastest ms of each. Alternating in one 
 busy or slow machine from favouring either side.
 """
 
-import argparse
 import json
 import time
 
 import torch
-
-from vlm_kv import make_cache
-from vlm_kv.cli.bench import bench_tokens
-from vlm_kv.models.named import load_model
+from routing_event_time import prefilled, prompt_arguments  # scripts/ is on sys.path when run as a script
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=8192)
+    p = prompt_arguments(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=21)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--text", default="../shared/data/text/pg84.txt")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("smollm2")
-    ids = bench_tokens(tokenizer, args.text, args.context + 1)
+    model, ids, cache = prefilled(args)
     with torch.no_grad():
-        cache = make_cache(model, policy="dbtrimkv", budget=0.1, tiers="int2")
-        model(input_ids=ids[:, : args.context], cache=cache, use_cache=True, logits_to_keep=1)
         token = ids[:, args.context : args.context + 1]
         for _ in range(13):  # past one routing event, a few tail tokens
             token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
