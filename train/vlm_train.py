@@ -55,6 +55,8 @@ from vlm_kv.eval.visual_tasks import (
 )
 from vlm_kv.models.lora import LoRADelta, LoRASpec, attach_lora, grow_lora, load_lora_state, lora_state
 from vlm_kv.models.smollava import (
+    IMAGE_TOKEN_ID,
+    IMAGE_TOKENS,
     LORA_FILE,
     WEIGHTS_FILE,
     build_smollava,
@@ -64,6 +66,7 @@ from vlm_kv.models.smollava import (
     save_lora,
     save_trained_parts,
 )
+from vlm_kv.train.image_attention import SegmentAttention, image_targets
 
 CHECKPOINT = "checkpoint.pt"
 STAGE1 = "stage1"  # trained parts at the end of the patch stage
@@ -103,6 +106,11 @@ class VLMTrainConfig:
     lora_grow: bool = setting(False, "with --stage1-weights whose adapters are smaller (lower rank, fewer targets): "
                               "start this run's adapters from them, same model at the first step")
     lora_lr_mult: float = setting(5.0, "the adapters' learning rate as a multiple of the stage's rate")
+    attention_weight: float = setting(0.0, "weight of the image-attention loss on multi-image steps: -log of the share of "
+                                      "the image attention (heads pooled) that the token before each answer gives the "
+                                      "asked image, in --attention-layers (0: off)")
+    attention_layers: str = setting("20,21,22,23,24", "LM layers of that loss (comma-separated; where the shipped "
+                                    "model's question tokens find the asked image most, docs/smollava.md)")
     threads: int = setting(0, "torch threads (0: torch's default)")
     stop_at: int = setting(0, "stop after this many steps in all, checkpointed (0: run to the end)")
     stage1_weights: str = setting("", "start at the QA stage from these trained parts: a stage1/ folder, or a folder "
@@ -131,6 +139,10 @@ class VLMTrainConfig:
             self.lora_spec  # noqa: B018 -- builds (and so checks) the spec
             if self.lora_alpha <= 0 or self.lora_lr_mult <= 0:
                 raise ValueError("lora_alpha and lora_lr_mult must be > 0")
+        if self.attention_weight < 0:
+            raise ValueError(f"attention_weight must be >= 0, got {self.attention_weight}")
+        if self.attention_weight:
+            self.attention_layer_list  # noqa: B018 -- parses (and so checks) the layers
         if self.lora_grow and not (self.lora_rank and self.stage1_weights):
             raise ValueError("lora_grow starts larger adapters from --stage1-weights: it needs both --lora-rank "
                              "and --stage1-weights")
@@ -141,6 +153,16 @@ class VLMTrainConfig:
             return None
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoRASpec(rank=self.lora_rank, alpha=self.lora_alpha, targets=targets)
+
+    @property
+    def attention_layer_list(self) -> list[int]:
+        try:
+            layers = [int(v) for v in self.attention_layers.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"attention_layers must be comma-separated layer numbers, got {self.attention_layers!r}") from None
+        if not layers:
+            raise ValueError("attention_layers names no layer")
+        return layers
 
     @property
     def multi_range(self) -> tuple[int, int]:
@@ -232,6 +254,23 @@ def patch_loss(tokens: torch.Tensor, target_ids: torch.Tensor, targets: PatchTar
 
 # ---- the loop -----------------------------------------------------------------------------------
 
+def attention_loss(looks: SegmentAttention, batch: list[Item], input_ids: torch.Tensor,
+                   labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(loss, mean share): -log of the share of image attention, heads pooled, that the token before
+    each answer gives the image its question asks about, averaged over questions and ``looks``' layers.
+    Reads the inputs ``looks`` recorded in the forward just run."""
+    losses, shares = [], []
+    for row, item in enumerate(batch):
+        asked = [q.image_index for q in item.questions]
+        found = image_targets(input_ids[row], labels[row], asked, IMAGE_TOKEN_ID, IMAGE_TOKENS, IGNORE)
+        for layer in looks.layers:
+            mass = looks.mass(layer, row, found).sum(1)  # [Q, S]: heads pooled
+            share = mass[torch.arange(len(asked)), found.segments] / mass.sum(-1).clamp_min(1e-12)
+            losses.append(-share.clamp_min(1e-12).log())
+            shares.append(share.detach())
+    return torch.cat(losses).mean(), torch.cat(shares).mean().item()
+
+
 def _lr(cfg: VLMTrainConfig, stage: str, step: int) -> float:
     steps, peak = (cfg.patch_steps, cfg.patch_lr) if stage == "patch" else (cfg.qa_steps, cfg.qa_lr)
     if step < cfg.warmup:
@@ -312,6 +351,7 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
     adapters = attach_lora(model.model.language_model, spec) if spec else {}
     params = params + _adapter_params(adapters)
     opt = _optimizer(cfg, model, params, adapters)
+    looks = SegmentAttention(model.model.language_model, cfg.attention_layer_list) if cfg.attention_weight else None
 
     done, stage_of = 0, "patch"
     rewarm_from = -1  # the step a fresh optimizer took over mid-schedule (warmed up again from there)
@@ -374,11 +414,15 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
                 pixels = pixel_values(images)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lm_dtype == torch.bfloat16):
                     outputs = model(input_ids=input_ids, attention_mask=mask, pixel_values=pixels, labels=labels)
+                    attn = attention_loss(looks, batch, input_ids, labels) if looks and kind == "multi" else None
                 qa = outputs.loss.float()
                 scenes = [s for it in batch for s in it.scenes]
                 tokens = visual_tokens(model, pixels)
                 ploss, stats = patch_loss(tokens, targets.of_scenes(scenes), targets, gen, cfg.negatives)
                 loss = qa + cfg.patch_weight * ploss
+                if attn is not None:
+                    loss = loss + cfg.attention_weight * attn[0]
+                    stats.update({"attention_loss": attn[0].item(), "asked_share": attn[1]})
                 stats.update({"qa_loss": qa.item(), "kind": kind, "tokens": int(input_ids.numel())})
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -416,6 +460,8 @@ def train_vlm(cfg: VLMTrainConfig, model=None, processor=None) -> dict:
                                   "config": dataclasses.asdict(cfg)})
     if bar is not None:
         bar.close()
+    if looks is not None:
+        looks.close()
     model.eval()
     if done == cfg.total_steps:
         card = {"model": "smollava", "steps": {"patch": cfg.patch_steps, "qa": cfg.qa_steps},

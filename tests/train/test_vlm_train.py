@@ -99,7 +99,10 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
                                         (dict(lora_rank=2, lora_alpha=0.0), "lora_alpha"),
                                         (dict(lora_rank=2, lora_grow=True), "lora_grow"),
                                         (dict(multi_questions=3, multi_images="2,4"), "multi_questions"),
-                                        (dict(image_labels="closed"), "image_labels")])
+                                        (dict(image_labels="closed"), "image_labels"),
+                                        (dict(attention_weight=-1.0), "attention_weight"),
+                                        (dict(attention_weight=1.0, attention_layers="a,b"), "attention_layers"),
+                                        (dict(attention_weight=1.0, attention_layers=","), "attention_layers")])
 def test_config_is_checked(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, **bad).validate()
@@ -222,3 +225,22 @@ def test_larger_adapters_grow_from_an_export_and_start_as_the_same_model(tokeniz
     assert len(_adapters(model_b)) == 8  # two layers x four targets
     with pytest.raises(ValueError, match="differs"):  # without --lora-grow a larger spec is refused
         V.train_vlm(_cfg(tmp_path / "n", **{**grown, "lora_grow": False}), *_tiny(tokenizer))
+
+
+def test_attention_loss_is_logged_on_multi_image_steps_and_moves_the_adapters(tokenizer, tmp_path):
+    extra = dict(lora_rank=2, lora_targets="q_proj,k_proj", attention_layers="0,1")
+    runs = {}
+    for w in (0.0, 5.0):
+        model, proc = _tiny(tokenizer)
+        V.train_vlm(_cfg(tmp_path / str(w), attention_weight=w, **extra), model, proc)
+        runs[w] = torch.load(tmp_path / str(w) / V.CHECKPOINT, weights_only=False)["lora"]
+        rows = [json.loads(x) for x in (tmp_path / str(w) / "metrics.jsonl").read_text().splitlines()]
+        multi = [r for r in rows if r.get("kind") == "multi"]
+        single = [r for r in rows if r.get("kind") == "single"]
+        assert multi and single and not any("attention_loss" in r for r in single)
+        if w:
+            assert all(r["attention_loss"] > 0 and 0 < r["asked_share"] < 1 for r in multi)
+        else:
+            assert not any("attention_loss" in r for r in multi)
+    # the same data and seeds: only the attention term differs, and it reaches the q/k adapters
+    assert any(not torch.equal(runs[0.0][k], runs[5.0][k]) for k in runs[0.0])
