@@ -3,6 +3,7 @@
     python scripts/retrieval_table.py docs/retrieval      # writes table.md, table.csv and relative_accuracy.png there
     python scripts/retrieval_table.py docs/retrieval/val  # the validation sweeps that chose the gates
     python scripts/retrieval_table.py docs/retrieval/ctx2048  # the 2048-token haystacks
+    python scripts/retrieval_table.py OUT --from DIR DIR ...  # trials of the same cells pooled (other seeds)
 
 Reads every ``*/sweep_retrieval.json`` and ``*/*/sweep_retrieval.json`` below the folder (one sweep
 per dtype / tiering / --ask / gate set), except the ``val`` and ``ctx2048`` folders' (the validation
@@ -61,16 +62,45 @@ def rows(folder: Path) -> list[dict]:
             lo, hi = wilson(hits, n)
             tag = f" [{gate_set}]" if "trimkv" in r["policy"] else ""
             cache = f"{r['policy']}{tag}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
-            out.append({"cache": cache, "ask": ask, "budget": r["budget"], "n": n, "accuracy": r["accuracy"],
+            out.append({"cache": cache, "ask": ask, "budget": r["budget"], "n": n, "hits": hits,
+                        "full_hits": sum(1 for x in r["records"] if x["full_correct"]), "accuracy": r["accuracy"],
                         "full_accuracy": r["full_accuracy"], "relative": r["accuracy"] / full,
                         "relative_lo": lo / full, "relative_hi": hi / full, "kv_fraction": r["max_kv_bytes_after_eviction"] / r["full_kv_bytes_at_end"],
                         "run": str(path.parent.relative_to(folder))})
     return out
 
 
+def pooled(folders: list[Path]) -> list[dict]:
+    """One row per (cache, question, budget) over every folder: trials and hits summed (Wilson interval
+    of the pooled trials, relative to the full cache's hits on the same trials)."""
+    cells: dict[tuple, dict] = {}
+    for folder in folders:
+        for r in rows(folder):
+            key = (r["cache"], r["ask"], r["budget"])
+            cell = cells.setdefault(key, {"cache": r["cache"], "ask": r["ask"], "budget": r["budget"], "n": 0,
+                                          "hits": 0, "full_hits": 0, "runs": []})
+            cell["n"] += r["n"]
+            cell["hits"] += r["hits"]
+            cell["full_hits"] += r["full_hits"]
+            cell["runs"].append(f"{folder}/{r['run']}")
+    out = []
+    for c in cells.values():
+        full = c["full_hits"] / c["n"]
+        lo, hi = wilson(c["hits"], c["n"])
+        out.append({**{k: c[k] for k in ("cache", "ask", "budget", "n", "hits", "full_hits")},
+                    "accuracy": c["hits"] / c["n"], "full_accuracy": full, "relative": c["hits"] / c["full_hits"],
+                    "relative_lo": lo / full, "relative_hi": hi / full, "runs": " ".join(c["runs"])})
+    return out
+
+
 def main() -> None:
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/retrieval")
-    table = rows(folder)
+    args = sys.argv[1:]
+    folder = Path(args[0] if args else "docs/retrieval")
+    if "--from" in args:
+        table = pooled([Path(f) for f in args[args.index("--from") + 1 :]])
+        folder.mkdir(parents=True, exist_ok=True)
+    else:
+        table = rows(folder)
     with open(folder / "table.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(table[0]))
         w.writeheader()
