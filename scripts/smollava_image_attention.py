@@ -41,6 +41,7 @@ def main() -> None:
     head_share = {i: [] for i in layers}
     top_right = {i: [] for i in layers}
     first_token_right = []
+    kinds = []
     for n in range(args.items):
         item = make_item("multi_image", args.seed, n, n_images=args.n_images)
         ids, labels = encode_pieces(tok, conversation_pieces(item, [q.answer for q in item.questions]))
@@ -57,6 +58,7 @@ def main() -> None:
                 share[i] += frac.mean(1)[torch.arange(len(asked)), asked].tolist()
                 head_share[i] += per_head.max(-1).values.tolist()
                 top_right[i] += (m.mean(1).argmax(-1) == asked).tolist()
+        kinds += [q.kind for q in item.questions]
         pred = out.logits[0, targets.positions].argmax(-1)
         first_token_right += (pred == input_ids[targets.positions + 1]).tolist()
         print(f"item {n}: first answer token {'right' if first_token_right[-1] else 'wrong'}", flush=True)
@@ -67,12 +69,22 @@ def main() -> None:
     for i in layers:
         print(f"layer {i:2d}: asked image's share {rows[i]['asked_share']:.2f}  best head {rows[i]['best_head_share']:.2f}"
               f"  asked image most attended {rows[i]['asked_is_top']:.2f}")
+    late = [i for i in layers if 20 <= i <= 24]  # where the shipped model's questions find the image
+    by_kind = {}
+    for kind in sorted(set(kinds)):
+        mine = [j for j, k in enumerate(kinds) if k == kind]
+        by_kind[kind] = {"questions": len(mine),
+                         "first_token_right": sum(first_token_right[j] for j in mine),
+                         "asked_share_layers_20_24": round(sum(share[i][j] for i in late for j in mine)
+                                                           / (len(late) * len(mine)), 3)}
+        print(f"{kind}: {by_kind[kind]}")
     chance = 1 / args.n_images
     print(f"first answer token right: {sum(first_token_right)} of {len(first_token_right)}; chance share {chance:.3f}")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"weights": args.weights or "shipped", "items": args.items, "seed": args.seed,
-                       "n_images": args.n_images, "first_token_right": first_token_right, "layers": rows,
+                       "n_images": args.n_images, "first_token_right": first_token_right, "kinds": kinds, "by_kind": by_kind,
+                       "layers": rows,
                        "seconds": round(time.time() - t0, 1)}, f, indent=1)
             f.write("\n")
 
