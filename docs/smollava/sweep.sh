@@ -5,13 +5,14 @@
 # dbtrimkv takes smollava's shipped gates; kvzip is not in the list (an image cannot be read back
 # as text, the sweep refuses it). Cache settings that are not a policy (--tiers int2, --strategy,
 # --allocation-kwargs) go to a folder of their own; --reference-dir DIR shares the full cache's
-# pass between folders. sweep_single.sh and sweep_multi_turn.sh set TASK and ITEMS.
+# pass between folders. sweep_single.sh and sweep_multi_turn.sh set TASK and ITEMS. MODEL=smollava:FOLDER
+# measures candidate trained parts (a `train-vlm --export` folder) instead of the shipped ones.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TASK=${TASK:?set TASK to single, multi_image or multi_turn}
 ITEMS=${ITEMS:?set ITEMS}
 OUT=${OUT:-runs/mm_$TASK}
 POLICIES=${POLICIES:-snapkv,h2o,streaming_llm,fastv,visionzip,tova,pyramidkv,adakv,rkv,qevict,dbtrimkv}
-OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv sweep --task multimodal --model smollava --data-seed 1 \
+OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv sweep --task multimodal --model "${MODEL:-smollava}" --data-seed 1 \
   --items "$ITEMS" --tasks "$TASK" --policies "$POLICIES" --budgets 0.05,0.1,0.25 --device cpu \
   --out "$OUT" --no-progress "$@"

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlavaForConditionalGeneration
 
 import vlm_kv
@@ -54,3 +55,26 @@ def test_smollava_loads_by_name_as_a_vlm_and_as_a_text_model(shipped):
     assert getattr(text_model, "_vlm_kv_lora_merged", False) == ships_lora
     cache = vlm_kv.make_cache(text_model, "snapkv", 0.5)
     assert isinstance(cache, vlm_kv.CompressedCache)
+
+
+def test_smollava_with_a_folder_loads_those_trained_parts(shipped, tmp_path):
+    # the shipped stand-in is STAGE1; a folder of other trained parts replaces it for this name only
+    other = tmp_path / "other"
+    model, _ = named.load_vlm("smollava", device="cpu")
+    state = {k: v.clone() for k, v in S.trained_state(model).items()}
+    key = next(k for k in state if k.startswith("model.multi_modal_projector."))
+    for p_name, p in model.named_parameters():
+        if p_name == key:
+            p.data.add_(1.0)
+    S.save_trained_parts(model, other)
+    name = f"smollava:{other}"
+    named.check_model(name)
+    assert named.is_vlm(name) and named.model_label(name) == f"smollava:{other.resolve()}"
+    loaded, _ = named.load_vlm(name, device="cpu")
+    torch.testing.assert_close(S.trained_state(loaded)[key], state[key] + 1.0)
+    text_model, _ = vlm_kv.load_model(name)
+    torch.testing.assert_close(S.trained_state(text_model)[key], state[key] + 1.0)
+    with pytest.raises(ModelFileMissing, match="no smollava trained parts"):
+        named.check_model(f"smollava:{tmp_path / 'missing'}")
+    with pytest.raises(ModelFileMissing, match="name the folder"):
+        named.check_model("smollava:")
