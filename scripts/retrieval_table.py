@@ -74,8 +74,13 @@ def pooled(folders: list[Path]) -> list[dict]:
     """One row per (cache, question, budget) over every folder: trials and hits summed (Wilson interval
     of the pooled trials, relative to the full cache's hits on the same trials)."""
     cells: dict[tuple, dict] = {}
+    seen: set[tuple] = set()
     for folder in folders:
         for r in rows(folder):
+            run = (str((folder / r["run"]).resolve()), r["cache"], r["budget"])
+            if run in seen:  # a sweep below two of the folders (a seed folder inside the first) counts once
+                continue
+            seen.add(run)
             key = (r["cache"], r["ask"], r["budget"])
             cell = cells.setdefault(key, {"cache": r["cache"], "ask": r["ask"], "budget": r["budget"], "n": 0,
                                           "hits": 0, "full_hits": 0, "runs": []})
