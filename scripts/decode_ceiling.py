@@ -24,8 +24,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name in args.files:
         full = None
-        for line in open(name, encoding="utf-8"):
-            row = json.loads(line)
+        with open(name, encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh]
+        for row in rows:
             if row["policy"] == "full":
                 full = row
                 continue

@@ -46,7 +46,7 @@ def model_label(name_or_path: str | os.PathLike) -> str:
     """How a run records its model: the name (``smollava:`` with the folder's absolute path), or the
     folder's absolute path."""
     name = str(name_or_path)
-    is_smollava, weights = smollava_weights(name)
+    _, weights = smollava_weights(name)
     if weights is not None:
         return SMOLLAVA_WITH + os.path.abspath(weights)
     return name if name in MODEL_NAMES else os.path.abspath(name)
@@ -61,7 +61,7 @@ def is_vlm(name_or_path: str | os.PathLike) -> bool:
 def check_model(model: str) -> None:
     """A named model whose files are installed, or a folder that holds a model: checked before
     anything loads, so a typo fails in a second."""
-    is_smollava, weights = smollava_weights(model)
+    _, weights = smollava_weights(model)
     if weights is not None:
         smollm2_dir()
         if not os.path.isfile(os.path.join(weights, WEIGHTS_FILE)):
