@@ -41,7 +41,8 @@ def features(model, tokenizer, seed: int, count: int, n_images: int, layers: lis
     return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(labels), torch.cat(rows)
 
 
-def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 300) -> torch.nn.Linear:
+def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 300):
+    """A linear probe on standardised features: (probe, mean, std)."""
     mean, std = x.mean(0), x.std(0) + 1e-5
     probe = torch.nn.Linear(x.shape[1], classes)
     opt = torch.optim.Adam(probe.parameters(), lr=1e-2)
@@ -50,8 +51,7 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 300) 
         opt.zero_grad()
         F.cross_entropy(probe(xs), y).backward()
         opt.step()
-    probe.norm = (mean, std)  # type: ignore[attr-defined]
-    return probe
+    return probe, mean, std
 
 
 def main() -> None:
@@ -72,8 +72,7 @@ def main() -> None:
     result = {"weights": args.weights or "shipped", "n_images": args.n_images, "train_items": args.train_items,
               "test_items": args.test_items, "layers": {}}
     for layer in layers:
-        probe = fit_probe(xtr[layer], ytr, args.n_images)
-        mean, std = probe.norm
+        probe, mean, std = fit_probe(xtr[layer], ytr, args.n_images)
         with torch.no_grad():
             pred = probe((xte[layer] - mean) / std).argmax(-1)
         right = pred == yte

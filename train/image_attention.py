@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
 
 
 @dataclass
@@ -67,18 +67,18 @@ class SegmentAttention:
         q = attn.q_proj(h[:, pos]).view(1, pos.numel(), -1, d).transpose(1, 2)  # [1, Hq, Q, d]
         k = attn.k_proj(h).view(1, h.shape[1], -1, d).transpose(1, 2)  # [1, Hkv, T, d]
         r = row if cos.shape[0] > 1 else 0  # rotary tables are shared across the batch when positions are
-        c, s = cos[r : r + 1], sin[r : r + 1]
-        q, _ = apply_rotary_pos_emb(q, q, c[:, pos], s[:, pos])
-        _, k = apply_rotary_pos_emb(k, k, c, s)
+        c, s = cos[r : r + 1].unsqueeze(1), sin[r : r + 1].unsqueeze(1)  # [1, 1, T, d]
+        q = q * c[:, :, pos] + rotate_half(q) * s[:, :, pos]  # the layer's rotary embedding, queries only
+        k = k * c + rotate_half(k) * s
         k = repeat_kv(k, q.shape[1] // k.shape[1])
         scores = (q.float() @ k.float().transpose(-1, -2)) * attn.scaling  # [1, H, Q, T]
         later = torch.arange(h.shape[1]).view(1, -1) > pos.view(-1, 1)  # [Q, T] keys after the query
         probs = scores.masked_fill(later, float("-inf")).softmax(-1)[0]  # [H, Q, T]
         keys = targets.key_segments
         inside = keys >= 0
-        onehot = torch.zeros(h.shape[1], targets.n_segments)
-        onehot[inside.nonzero().squeeze(1), keys[inside]] = 1.0
-        return (probs @ onehot).transpose(0, 1)  # [Q, H, S]
+        out = probs.new_zeros(*probs.shape[:2], targets.n_segments)
+        out.index_add_(-1, keys[inside], probs[..., inside])  # summed per segment
+        return out.transpose(0, 1)  # [Q, H, S]
 
 
 def image_targets(input_ids: torch.Tensor, labels: torch.Tensor, asked: list[int], image_token_id: int,
