@@ -9,14 +9,15 @@
 # Why 4 images, not the benchmark's 8: at 2048 tokens a step took 110 s on one shared core
 # (session 17), about 3x a 1024-token step; the budgets are fractions of the context, so the
 # capacity term asks the same of the gates at either length.
-# Rerun to resume. One thread, so an evaluation can use the other core.
+# Rerun to resume. One thread, so an evaluation can use the other core. MODEL=smollava:FOLDER trains
+# the gates of other trained parts (an export folder) instead of the shipped ones.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/gates_smollava}
 DATA=${DATA:-runs/smollava_gate_data4}
 [ -f "$DATA/data.jsonl" ] || OMP_NUM_THREADS=1 python -m vlm_kv.eval.visual_export --task multi_turn \
   --seed 0 --items 300 --n-images 4 --n-questions 3 --out "$DATA" --no-progress
-OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollava \
+OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model "${MODEL:-smollava}" \
   --data "$DATA/data.jsonl" ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 \
   --max-length 1024 --steps 60 --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
   --init-gates gates/pretrained/smollm2-135m-dbtrimkv --facts-share 0.5 --facts-kinds name,date,list \
