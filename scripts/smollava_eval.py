@@ -42,18 +42,35 @@ def _detail(item, question, generated: str, ok: bool) -> dict:
            "images": len(item.scenes), "answer": question.answer, "generated": generated, "correct": ok}
     if question.kind == "code":
         row["code_of_images"] = [k + 1 for k, s in enumerate(item.scenes) if answer_matches(generated, s.code)]
+    if question.kind == "colour":
+        # the asked object is the target image's one with the right colour; a wrong colour is either
+        # another object's in the target image or the colour of the same shape in another image
+        target = item.scenes[question.image_index]
+        shape = next(o.shape for o in target.objects if o.colour == question.answer)
+        row["colour_of_same_shape_in_images"] = [
+            k + 1 for k, s in enumerate(item.scenes)
+            if any(o.shape == shape and answer_matches(generated, o.colour) for o in s.objects)]
+        row["colour_of_another_object_in_target"] = any(
+            o.shape != shape and answer_matches(generated, o.colour) for o in target.objects)
     return row
 
 
 def binding_summary(details: list[dict]) -> dict:
     """Of the wrong code answers, how many are the code of another image in the context (the
-    model read an image, but not the one asked about), and how far that image is from the target."""
+    model read an image, but not the one asked about), and how far that image is from the target;
+    of the wrong colour answers, how many are the colour of the same shape in another image, or of
+    another object in the asked image."""
     codes = [d for d in details if d["kind"] == "code"]
     wrong = [d for d in codes if not d["correct"]]
     other = [d for d in wrong if d["code_of_images"]]
     offsets = [d["code_of_images"][0] - d["image"] for d in other]
+    colours = [d for d in details if d["kind"] == "colour"]
+    wrong_c = [d for d in colours if not d["correct"]]
     return {"code_questions": len(codes), "code_correct": len(codes) - len(wrong), "code_wrong": len(wrong),
-            "wrong_is_another_images_code": len(other), "offsets_to_that_image": sorted(offsets)}
+            "wrong_is_another_images_code": len(other), "offsets_to_that_image": sorted(offsets),
+            "colour_questions": len(colours), "colour_wrong": len(wrong_c),
+            "colour_wrong_is_same_shape_elsewhere": sum(bool(d["colour_of_same_shape_in_images"]) for d in wrong_c),
+            "colour_wrong_is_another_object_in_target": sum(d["colour_of_another_object_in_target"] for d in wrong_c)}
 
 
 def load(weights: str):

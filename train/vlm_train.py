@@ -46,6 +46,7 @@ from vlm_kv.eval.visual_tasks import (
     BLANK,
     CODE_CHARS,
     COLOURS,
+    KINDS,
     LABEL_STYLES,
     SHAPES,
     TRAIN_SEED,
@@ -87,6 +88,8 @@ class VLMTrainConfig:
     multi_every: int = setting(4, "every Nth stage-2 step is one multi-image context instead")
     multi_images: str = setting("4,10", "LO,HI images in those contexts")
     multi_questions: int = setting(3, "teacher-forced questions in a multi-image context")
+    multi_kinds: str = setting("", "question kinds drawn in multi-image contexts, comma-separated; a kind named twice "
+                               "is drawn twice as often (empty: every kind alike)")
     image_labels: str = setting("open", "how multi-image contexts label their images: open ('Image k: caption.' "
                                 "before each) or bracketed (also 'End of image k.' after each); evaluations use it too")
     patch_weight: float = setting(0.5, "weight of the stage-1 loss kept during stage 2")
@@ -131,6 +134,9 @@ class VLMTrainConfig:
             raise ValueError(f"multi_images must be LO,HI with 1 <= LO <= HI, got {self.multi_images!r}")
         if self.multi_questions > lo:
             raise ValueError(f"multi_questions ({self.multi_questions}) must be <= the fewest images ({lo})")
+        unknown = set(self.multi_kind_list) - set(KINDS)
+        if unknown:
+            raise ValueError(f"multi_kinds names unknown question kinds {sorted(unknown)}; known: {KINDS}")
         if self.image_labels not in LABEL_STYLES:
             raise ValueError(f"image_labels must be one of {LABEL_STYLES}, got {self.image_labels!r}")
         if self.lm_dtype not in ("bfloat16", "float32"):
@@ -153,6 +159,12 @@ class VLMTrainConfig:
             return None
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoRASpec(rank=self.lora_rank, alpha=self.lora_alpha, targets=targets)
+
+    @property
+    def multi_kind_list(self) -> tuple[str, ...]:
+        """The kinds multi-image questions are drawn from, repeats kept (they weight the draw)."""
+        kinds = tuple(k.strip() for k in self.multi_kinds.split(",") if k.strip())
+        return kinds or KINDS
 
     @property
     def attention_layer_list(self) -> list[int]:
@@ -317,7 +329,7 @@ def _qa_items(cfg: VLMTrainConfig, step: int) -> tuple[list[Item], str]:
         rng = np.random.default_rng([TRAIN_SEED, 200, step])
         n = int(rng.integers(lo, hi + 1))
         return [make_item("multi_turn", TRAIN_SEED, step, n_images=n, n_questions=cfg.multi_questions,
-                          labels=cfg.image_labels)], "multi"
+                          labels=cfg.image_labels, kinds=cfg.multi_kind_list)], "multi"
     return [make_item("single", TRAIN_SEED, step * cfg.qa_batch + j) for j in range(cfg.qa_batch)], "single"
 
 

@@ -100,12 +100,24 @@ def test_answer_runs_turns_on_one_cache(tokenizer):
                                         (dict(lora_rank=2, lora_grow=True), "lora_grow"),
                                         (dict(multi_questions=3, multi_images="2,4"), "multi_questions"),
                                         (dict(image_labels="closed"), "image_labels"),
+                                        (dict(multi_kinds="colour,hue"), "multi_kinds"),
                                         (dict(attention_weight=-1.0), "attention_weight"),
                                         (dict(attention_weight=1.0, attention_layers="a,b"), "attention_layers"),
                                         (dict(attention_weight=1.0, attention_layers=","), "attention_layers")])
 def test_config_is_checked(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, **bad).validate()
+
+
+def test_multi_kinds_weight_the_multi_image_questions(tmp_path):
+    cfg = _cfg(tmp_path, multi_every=1, multi_images="3,3", multi_questions=3, multi_kinds="colour")
+    cfg.validate()
+    kinds = {q.kind for step in range(4) for q in V._qa_items(cfg, step)[0][0].questions}
+    assert kinds == {"colour"}
+    default = _cfg(tmp_path, multi_every=1, multi_images="3,3", multi_questions=3)
+    assert default.multi_kind_list == V.KINDS
+    drawn = {q.kind for step in range(12) for q in V._qa_items(default, step)[0][0].questions}
+    assert len(drawn) > 1  # without the option every kind can be asked
 
 
 def test_stage1_weights_continue_exactly_where_the_run_would(tokenizer, tmp_path):
