@@ -1,0 +1,49 @@
+"""scripts/smollava_eval.py's per-question records: where a wrong colour answer comes from."""
+import importlib.util
+from pathlib import Path
+
+from vlm_kv.eval.visual_tasks import make_item
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("smollava_eval", REPO / "scripts" / "smollava_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _colour_item_with_shape_elsewhere():
+    """A held-out 4-image item whose colour question's shape also appears, in another colour, elsewhere."""
+    for i in range(200):
+        item = make_item("multi_image", 1, i, n_images=4, kinds=("colour",))
+        q = item.questions[0]
+        target = item.scenes[q.image_index]
+        shape = next(o.shape for o in target.objects if o.colour == q.answer)
+        for k, scene in enumerate(item.scenes):
+            other = [o.colour for o in scene.objects if o.shape == shape and o.colour != q.answer]
+            if k != q.image_index and other:
+                return item, q, target, shape, k, other[0]
+    raise AssertionError("no such item in 200 draws")
+
+
+def test_wrong_colours_are_traced_to_their_source():
+    S = _script()
+    item, q, target, shape, k, elsewhere = _colour_item_with_shape_elsewhere()
+    right = S._detail(item, q, q.answer, True)
+    assert q.image_index + 1 in right["colour_of_same_shape_in_images"]  # other images may share shape and colour
+    assert right["colour_of_another_object_in_target"] is False
+
+    from_other_image = S._detail(item, q, elsewhere, False)
+    assert k + 1 in from_other_image["colour_of_same_shape_in_images"]
+    assert q.image_index + 1 not in from_other_image["colour_of_same_shape_in_images"]
+
+    neighbour = next(o.colour for o in target.objects if o.shape != shape)
+    from_neighbour = S._detail(item, q, neighbour, False)
+    assert from_neighbour["colour_of_another_object_in_target"] is True
+
+    summary = S.binding_summary([right, from_other_image, from_neighbour])
+    assert summary["colour_questions"] == 3 and summary["colour_wrong"] == 2
+    assert summary["colour_wrong_is_another_object_in_target"] == 1 + (elsewhere in {o.colour for o in target.objects})
+    assert summary["colour_wrong_is_same_shape_elsewhere"] >= 1
