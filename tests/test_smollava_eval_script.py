@@ -47,3 +47,28 @@ def test_wrong_colours_are_traced_to_their_source():
     assert summary["colour_questions"] == 3 and summary["colour_wrong"] == 2
     assert summary["colour_wrong_is_another_object_in_target"] == 1 + (elsewhere in {o.colour for o in target.objects})
     assert summary["colour_wrong_is_same_shape_elsewhere"] >= 1
+
+
+def _text_lookup():
+    spec = importlib.util.spec_from_file_location("smollava_text_lookup", REPO / "scripts" / "smollava_text_lookup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_text_lookup_scores_the_first_word_of_the_asked_kind():
+    T = _text_lookup()
+    assert T.first_named("The triangle in image 3 is orange.", "colour") == "orange"
+    assert T.first_named("The orange object in image 3 is a star.", "shape") == "star"
+    assert T.first_named("I cannot tell.", "colour") is None
+
+
+def test_text_lookup_writes_each_object_as_colour_then_shape():
+    T = _text_lookup()
+    item = make_item("multi_image", 1, 0, n_images=2, kinds=("colour",))
+    for scene in item.scenes:
+        text = T.scene_text(scene)
+        assert scene.code[0] in text
+        for obj in scene.objects:
+            assert f" {obj.colour} {obj.shape}" in text
+    assert item.questions[0].text in T.prompt(item)
