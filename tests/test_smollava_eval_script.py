@@ -1,4 +1,5 @@
-"""scripts/smollava_eval.py's per-question records: where a wrong colour answer comes from."""
+"""scripts/smollava_eval.py's per-question records (where a wrong colour answer comes from) and
+scripts/smollava_text_lookup.py's scoring."""
 import importlib.util
 from pathlib import Path
 
@@ -7,8 +8,8 @@ from vlm_kv.eval.visual_tasks import make_item
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("smollava_eval", REPO / "scripts" / "smollava_eval.py")
+def _script(name: str = "smollava_eval"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,22 +50,15 @@ def test_wrong_colours_are_traced_to_their_source():
     assert summary["colour_wrong_is_same_shape_elsewhere"] >= 1
 
 
-def _text_lookup():
-    spec = importlib.util.spec_from_file_location("smollava_text_lookup", REPO / "scripts" / "smollava_text_lookup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_text_lookup_scores_the_first_word_of_the_asked_kind():
-    T = _text_lookup()
+    T = _script("smollava_text_lookup")
     assert T.first_named("The triangle in image 3 is orange.", "colour") == "orange"
     assert T.first_named("The orange object in image 3 is a star.", "shape") == "star"
     assert T.first_named("I cannot tell.", "colour") is None
 
 
 def test_text_lookup_writes_each_object_as_colour_then_shape():
-    T = _text_lookup()
+    T = _script("smollava_text_lookup")
     item = make_item("multi_image", 1, 0, n_images=2, kinds=("colour",))
     for scene in item.scenes:
         text = T.scene_text(scene)
