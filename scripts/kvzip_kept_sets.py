@@ -14,13 +14,20 @@ answers worse with more context kept.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
 import torch
+from vlm_kv.eval.retrieval import (
+    RetrievalSettings,
+    _answer,
+    _prompt_ids,
+    build_trials,
+    score_answer,
+)
 
 from vlm_kv.api import make_cache
-from vlm_kv.eval.retrieval import RetrievalSettings, _answer, _prompt_ids, build_trials, score_answer
 from vlm_kv.models.named import load_model
 
 
@@ -81,7 +88,7 @@ def main() -> None:
                 "heads_with_whole_code": [sum(code_pos <= h for h in layer) for layer in kept[b]],
             }
             print(idx, b, repr(answer), sum(row["budgets"][str(b)]["heads_with_code_token"]), flush=True)
-        for lo, hi in zip(budgets, budgets[1:]):
+        for lo, hi in itertools.pairwise(budgets):
             row[f"superset_{hi}_of_{lo}"] = all(a <= c for la, lc in zip(kept[lo], kept[hi]) for a, c in zip(la, lc))
         rows.append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-
-import re
-
 from vlm_kv.eval.visual_tasks import BLANK, COLOURS, SHAPES, answer_matches, make_item
-from vlm_kv.models.named import load_model
 
+from vlm_kv.models.named import load_model
 
 VOCABULARY = {"colour": tuple(COLOURS), "shape": SHAPES}
 
