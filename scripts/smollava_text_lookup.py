@@ -8,6 +8,8 @@ replaced by its cell texts in reading order (what the tower was trained to put i
 tokens; background cells are dropped), and the same held-out questions are asked of a text model
 (SmolLM2, or smollava's language model with its adapters merged: ``--model smollava[:FOLDER]``).
 If colour questions fail on text too, the asymmetry is the language model's lookup, not the tower.
+``--layout shape-first`` writes each object's shape word before its colour word (the tower's order
+swapped): if the reading holds, the asymmetry turns around with it.
 A question counts as right when the first colour (shape) word of the answer is the asked one; exact
 match is recorded too.
 
@@ -38,13 +40,24 @@ def first_named(generated: str, kind: str) -> str | None:
     return next((w for w in words if w in VOCABULARY[kind]), None)
 
 
-def scene_text(scene) -> str:
-    """The scene's cell texts in reading order, background cells dropped."""
-    return "".join(cell for row in scene.cell_tokens for cell in row if cell != BLANK)
+LAYOUTS = ("as-taught", "shape-first")
 
 
-def prompt(item) -> str:
-    parts = [f"Image {k + 1}: {s.caption}.\n{scene_text(s).strip()}\n" for k, s in enumerate(item.scenes)]
+def scene_text(scene, layout: str = "as-taught") -> str:
+    """The scene's cell texts in reading order, background cells dropped; ``shape-first`` swaps each
+    object's colour and shape cells."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    rows = [list(row) for row in scene.cell_tokens]
+    if layout == "shape-first":
+        for obj in scene.objects:
+            row = rows[obj.row]
+            row[obj.col], row[obj.col + 1] = row[obj.col + 1], row[obj.col]
+    return "".join(cell for row in rows for cell in row if cell != BLANK)
+
+
+def prompt(item, layout: str = "as-taught") -> str:
+    parts = [f"Image {k + 1}: {s.caption}.\n{scene_text(s, layout).strip()}\n" for k, s in enumerate(item.scenes)]
     return "".join(parts) + "\n" + item.questions[0].text
 
 
@@ -63,6 +76,7 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=48)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--n-images", type=int, default=8)
+    ap.add_argument("--layout", choices=LAYOUTS, default="as-taught")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,7 +87,7 @@ def main() -> None:
         for i in tqdm(range(args.items), desc=kind, leave=False):
             item = make_item("multi_image", args.seed, i, n_images=args.n_images, kinds=(kind,))
             q = item.questions[0]
-            generated = ask(model, tokenizer, prompt(item))
+            generated = ask(model, tokenizer, prompt(item, args.layout))
             named = first_named(generated, kind)
             rows.append({"index": i, "image": q.image_index + 1, "answer": q.answer, "generated": generated,
                          "exact": answer_matches(generated, q.answer), "named": named, "correct": named == q.answer})

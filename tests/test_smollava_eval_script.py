@@ -1,8 +1,10 @@
 """scripts/smollava_eval.py's per-question records (where a wrong colour answer comes from) and
 scripts/smollava_text_lookup.py's scoring."""
 import importlib.util
+import re
 from pathlib import Path
 
+import pytest
 from vlm_kv.eval.visual_tasks import make_item
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,3 +68,16 @@ def test_text_lookup_writes_each_object_as_colour_then_shape():
         for obj in scene.objects:
             assert f" {obj.colour} {obj.shape}" in text
     assert item.questions[0].text in T.prompt(item)
+
+
+def test_text_lookup_shape_first_swaps_each_object_and_nothing_else():
+    T = _script("smollava_text_lookup")
+    item = make_item("multi_image", 1, 3, n_images=3, kinds=("colour",))
+    for scene in item.scenes:
+        taught, swapped = T.scene_text(scene), T.scene_text(scene, "shape-first")
+        assert sorted(re.findall(r"[a-z]+", taught)) == sorted(re.findall(r"[a-z]+", swapped))  # the same words
+        for obj in scene.objects:
+            assert f" {obj.shape} {obj.colour}" in swapped and f" {obj.colour} {obj.shape}" not in swapped
+    assert T.prompt(item, "shape-first") != T.prompt(item)
+    with pytest.raises(ValueError, match="unknown layout"):
+        T.scene_text(item.scenes[0], "colour-last")
