@@ -73,13 +73,13 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-def _allocation_kwargs(text: str) -> dict:
+def _fields_json(text: str, flag: str, of: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"--allocation-kwargs is not JSON: {err}") from None
+        raise ValueError(f"{flag} is not JSON: {err}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"--allocation-kwargs takes a JSON object of the allocation's fields, got {text!r}")
+        raise ValueError(f"{flag} takes a JSON object of the {of}'s fields, got {text!r}")
     return value
 
 
@@ -89,7 +89,9 @@ def _cache_kwargs(args) -> dict:
     if args.evict_every is not None:
         fields["evict_every"] = args.evict_every
     if getattr(args, "allocation_kwargs", None):
-        fields["allocation_kwargs"] = _allocation_kwargs(args.allocation_kwargs)
+        fields["allocation_kwargs"] = _fields_json(args.allocation_kwargs, "--allocation-kwargs", "allocation")
+    if getattr(args, "scorer_kwargs", None):
+        fields["scorer_kwargs"] = _fields_json(args.scorer_kwargs, "--scorer-kwargs", "scorer")
     if fields:
         kw["options"] = CacheOptions(**fields)
     if args.gates:
@@ -260,6 +262,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allocation-kwargs", default=None,
                    help="JSON of the allocation's fields for every policy, e.g. "
                         "'{\"modality_floor\": {\"image\": 0.5}}' for dbtrimkv's global allocation")
+    p.add_argument("--scorer-kwargs", default=None,
+                   help="JSON of the scorer's fields for every policy, e.g. '{\"span\": 5}' for dbtrimkv's "
+                        "retention scores pooled over 5 neighbouring entries")
     add_tier_args(p)
     p.add_argument("--strategy", default=None, help="strategy JSON for polykv (default: the one shipped for the model)")
     p.add_argument("--max-new-tokens", type=int, default=None,

@@ -159,12 +159,14 @@ class Evictor:
     def begin_layerwise(self, ledger: TokenLedger, num_layers: int) -> "LayerwiseStep | None":
         """A prefill's eviction step taken layer by layer (right after each layer's attention),
         or None where this step cannot be split by layer (global allocations with floors or
-        caps, threshold allocations)."""
+        caps, or over scores that depend on neighbouring entries; threshold allocations)."""
         self.phase = "prefill"
         caps, scorer, step_allocation = self.begin_step(ledger)
         if step_allocation.is_global:
             plain = isinstance(step_allocation, GlobalTopK) and step_allocation.is_plain
-            if not plain:
+            # an entry dropped early changes its neighbours' pooled scores (``score_is_per_entry``)
+            per_entry = all(scorer.for_layer(i).score_is_per_entry for i in range(num_layers))
+            if not (plain and per_entry):
                 return None
         return LayerwiseStep(caps, scorer, step_allocation, num_layers)
 
