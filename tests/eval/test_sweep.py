@@ -346,3 +346,20 @@ def test_retrieval_runs_kvzip_through_its_reconstruction_pass(tiny, text_file):
         settings = RetrievalSettings(96, depths=(0.5,), trials=1, max_new_tokens=3, ask=ask)
         res = retrieval(model, tok, text_file, "kvzip", 0.5, settings)
         assert res["kv_bytes"] < res["full_kv_bytes"] and res["records"][0]["answer"] is not None
+
+
+def test_sweep_scorer_kwargs_reach_the_caches_and_bad_ones_are_refused_before_loading(text_file, tmp_path,
+                                                                                   monkeypatch):
+    parser = argparse.ArgumentParser(prog="vlm-kv")
+    sweep_cli.register(parser.add_subparsers(dest="command"))
+    base = ["sweep", "--task", "retrieval", "--text", text_file, "--policies", "streaming_llm", "--budgets", "0.5",
+            "--out", str(tmp_path / "s")]
+    kw = sweep_cli._cache_kwargs(parser.parse_args([*base, "--scorer-kwargs", '{"num_sinks": 2}']))
+    assert kw["options"].scorer_kwargs == {"num_sinks": 2}
+    assert "options" not in sweep_cli._cache_kwargs(parser.parse_args(base))
+    monkeypatch.setattr(sweep_cli, "_text_model", lambda args: pytest.fail("the model was loaded"))
+    for bad, said in (("{oops", "--scorer-kwargs is not JSON"), ("[5]", "JSON object of the scorer's fields"),
+                      ('{"spann": 5}', "spann")):
+        args = parser.parse_args([*base, "--scorer-kwargs", bad])
+        with pytest.raises((ValueError, TypeError), match=said):
+            args.func(args)
