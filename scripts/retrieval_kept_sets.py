@@ -1,4 +1,4 @@
-"""What policy ``kvzip`` (or another, ``--policy``) keeps of a 2048-token retrieval trial at two budgets (issue 26).
+"""What a policy (``kvzip`` unless ``--policy`` says otherwise) keeps of a 2048-token retrieval trial at two budgets (issue 26).
 
 On the later-turn trials at 2048 tokens kvzip answered fewer questions at 0.1 than at 0.05
 (docs/retrieval.md, session 28). This reruns chosen trials and records, per budget, the answer,
@@ -9,9 +9,9 @@ answers worse with more context kept. ``--policy dbtrimkv --gates FOLDER`` asks 
 retention gates (session 30: the untiered 0.05 cell they lose to kvzip); the heads holding a token
 of the fact's key (what the question names) are recorded too.
 
-    OMP_NUM_THREADS=1 python scripts/kvzip_kept_sets.py --indices 1,3,18 --seed 1 \
+    OMP_NUM_THREADS=1 python scripts/retrieval_kept_sets.py --indices 1,3,18 --seed 1 \
         --out docs/retrieval/ctx2048/kvzip_kept_sets_seed1.json
-    OMP_NUM_THREADS=1 python scripts/kvzip_kept_sets.py --policy dbtrimkv --gates docs/retrieval/gates/facts-aw05 \
+    OMP_NUM_THREADS=1 python scripts/retrieval_kept_sets.py --policy dbtrimkv --gates docs/retrieval/gates/facts-aw05 \
         --seed 0 --indices 3,6,9 --out docs/retrieval/ctx2048/gates_kept_sets_seed0.json
 """
 
