@@ -9,7 +9,8 @@
 # Why 4 images, not the benchmark's 8: at 2048 tokens a step took 110 s on one shared core
 # (session 17), about 3x a 1024-token step; the budgets are fractions of the context, so the
 # capacity term asks the same of the gates at either length.
-# The shipped gates (gates/pretrained/smollava-dbtrimkv, fp16) are its output on step 3050 (session 17; also in
+# The shipped gates (gates/pretrained/smollava-dbtrimkv, fp16) are its output on step 3050 (session 17;
+# MODEL=smollava:train/checkpoints/smollava-3050 now; also in
 # train/checkpoints/smollava-3050/gates); on step 4500 it gives train/checkpoints/smollava-4500-retrained-gates,
 # which measured worse on the multi-turn table and are not the default (docs/smollava.md, Session 31).
 # Rerun to resume. One thread, so an evaluation can use the other core. MODEL=smollava:FOLDER trains
