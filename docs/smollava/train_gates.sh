@@ -14,7 +14,9 @@
 # train/checkpoints/smollava-3050/gates); on step 4500 it gives train/checkpoints/smollava-4500-retrained-gates,
 # which measured worse on the multi-turn table and are not the default (docs/smollava.md, Session 31).
 # Rerun to resume. One thread, so an evaluation can use the other core. MODEL=smollava:FOLDER trains
-# the gates of other trained parts (an export folder) instead of the shipped ones.
+# the gates of other trained parts (an export folder) instead of the shipped ones. INIT, LR and MIN_LR
+# replace the starting gates and the learning rates (session 32 fine-tuned the step-3050 gates on step
+# 4500: INIT=train/checkpoints/smollava-3050/gates LR=1e-3 MIN_LR=1e-4, docs/smollava.md "Session 32").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/gates_smollava}
@@ -23,6 +25,6 @@ DATA=${DATA:-runs/smollava_gate_data4}
   --seed 0 --items 300 --n-images 4 --n-questions 3 --out "$DATA" --no-progress
 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model "${MODEL:-smollava}" \
   --data "$DATA/data.jsonl" ../shared/data/text/pg1342.txt --global --budget-range 0.05,0.3 \
-  --max-length 1024 --steps 60 --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
-  --init-gates gates/pretrained/smollm2-135m-dbtrimkv --facts-share 0.5 --facts-kinds name,date,list \
+  --max-length 1024 --steps 60 --warmup 5 --lr "${LR:-3e-3}" --min-lr "${MIN_LR:-3e-4}" --width 64 --seed 2 --save-every 5 \
+  --init-gates "${INIT:-gates/pretrained/smollm2-135m-dbtrimkv}" --facts-share 0.5 --facts-kinds name,date,list \
   --answer-weight 0.5 --out "$OUT" --resume --no-progress

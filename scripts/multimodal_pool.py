@@ -1,0 +1,115 @@
+"""Pool the multimodal benchmark's rows over data seeds: correct answers summed per (cache, budget).
+
+    python scripts/multimodal_pool.py runs/mm4500/tiered_gates3050:+tiers runs/mm4500/baselines \
+        runs/mm4500_s2/tiered_gates3050:+tiers runs/mm4500_s2/baselines --task multi_turn \
+        --out docs/smollava/multi_turn_pooled
+
+Each argument is a `vlm-kv sweep --task multimodal` folder, with an optional label suffix as in
+``multimodal_table.py`` (``DIR:+tiers``). Folders are grouped by the data seed they swept; within a
+seed their full-cache rows must agree (else the script refuses), and a (cache, budget) must come
+from each seed exactly once to be pooled: a cell run on one seed only is listed as such, not pooled.
+Why pool: one question is 1.1 points of a 16-chat table; two seeds halve what one question moves.
+The number of questions per seed comes from the generator (``make_item``), since a row stores
+accuracies. Writes ``pooled.json`` and ``pooled.md`` (relative accuracy = correct / the full cache's
+correct on the same questions, with the Wilson interval of the pooled accuracy over the full
+cache's accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from multimodal_table import ITEM_KEYS  # scripts/ is sys.path[0] when run as a script
+from retrieval_table import wilson
+from vlm_kv.eval.visual_tasks import make_item
+
+
+def questions(settings: dict, task: str) -> int:
+    return sum(len(make_item(task, settings["data_seed"], i, images=settings["images"],
+                             kinds=settings["kinds"]).questions) for i in range(settings["items"]))
+
+
+def load(specs: list[str], task: str) -> dict[int, dict]:
+    """Per data seed: its question count, the full cache's correct answers and each cell's."""
+    seeds: dict[int, dict] = {}
+    for spec in specs:
+        folder, _, label = spec.partition(":")
+        state = json.loads((Path(folder) / "sweep_multimodal.json").read_text())
+        settings = {k: state["settings"].get(k) for k in ITEM_KEYS}
+        seed = seeds.setdefault(settings["data_seed"], {"settings": settings, "cells": {}, "folders": []})
+        if settings != seed["settings"]:
+            raise SystemExit(f"{folder}: other items than the seed's first folder: {settings} vs {seed['settings']}")
+        if "n" not in seed:
+            seed["n"] = questions(settings, task)
+        seed["folders"].append(spec)
+        for r in state["rows"]:
+            if r["task"] != task or r.get("error") or r.get("accuracy") is None:
+                continue
+            full = round(r["full_accuracy"] * seed["n"])
+            if seed.setdefault("full", full) != full:
+                raise SystemExit(f"{folder}: the full cache answers {full}, another folder of seed "
+                                 f"{settings['data_seed']} {seed['full']}")
+            if r["policy"] == "full":
+                continue
+            key = (r["policy"] + label, r["budget"])
+            if key in seed["cells"]:
+                raise SystemExit(f"{key} appears twice for data seed {settings['data_seed']}")
+            seed["cells"][key] = {"correct": round(r["accuracy"] * seed["n"]), "kl": r["kl"]}
+    return seeds
+
+
+def pool(seeds: dict[int, dict]) -> list[dict]:
+    keys = sorted({k for s in seeds.values() for k in s["cells"]}, key=lambda k: (k[1], k[0]))
+    out = []
+    for cache, budget in keys:
+        have = [seed for seed, s in sorted(seeds.items()) if (cache, budget) in s["cells"]]
+        row = {"cache": cache, "budget": budget, "seeds": have,
+               "per_seed": {str(seed): {"correct": seeds[seed]["cells"][(cache, budget)]["correct"],
+                                        "full": seeds[seed]["full"], "questions": seeds[seed]["n"],
+                                        "kl": seeds[seed]["cells"][(cache, budget)]["kl"]} for seed in have}}
+        if len(have) == len(seeds):
+            n = sum(s["n"] for s in seeds.values())
+            correct = sum(seeds[seed]["cells"][(cache, budget)]["correct"] for seed in have)
+            full = sum(s["full"] for s in seeds.values())
+            lo, hi = wilson(correct, n)
+            row.update(questions=n, correct=correct, full=full, relative=correct / full,
+                       relative_lo=lo * n / full, relative_hi=hi * n / full,
+                       kl=sum(seeds[s]["cells"][(cache, budget)]["kl"] * seeds[s]["n"] for s in have) / n)
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict], seeds: dict[int, dict]) -> str:
+    names = sorted(seeds)
+    head = ("| cache | budget | " + " | ".join(f"seed {s} (full {seeds[s]['full']} of {seeds[s]['n']})" for s in names)
+            + " | pooled relative (95 % interval) | pooled answer KL |")
+    lines = [head, "|" + " --- |" * (4 + len(names))]
+    for r in rows:
+        cells = [f"{r['per_seed'][str(s)]['correct']}" if str(s) in r["per_seed"] else "not run" for s in names]
+        pooled = (f"{r['relative']:.3f} ({r['relative_lo']:.2f}-{r['relative_hi']:.2f}), {r['correct']} / {r['full']}"
+                  if "relative" in r else "one seed only")
+        kl = f"{r['kl']:.3f}" if "relative" in r else ""
+        lines.append(f"| {r['cache']} | {r['budget']} | " + " | ".join(cells) + f" | {pooled} | {kl} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", help="sweep folders, DIR or DIR:LABEL")
+    ap.add_argument("--task", default="multi_turn")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    seeds = load(args.folders, args.task)
+    rows = pool(seeds)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {str(s): {"questions": v["n"], "full": v["full"], "folders": v["folders"]} for s, v in seeds.items()}
+    (out / "pooled.json").write_text(json.dumps({"task": args.task, "seeds": meta, "rows": rows}, indent=1))
+    (out / "pooled.md").write_text(table(rows, seeds))
+    print(table(rows, seeds))
+
+
+if __name__ == "__main__":
+    main()
