@@ -84,6 +84,7 @@ class MultimodalSettings:
 @dataclass
 class _ItemResult:
     hits: list[bool]
+    answers: list[str]
     kl: float
     kv_bytes: int
     max_kv_bytes: int
@@ -250,7 +251,9 @@ class MultimodalBench:
             full_bytes = float(np.mean([b for _, _, b in ref]))
             row.update(accuracy=row["full_accuracy"], relative_accuracy=1.0, kl=0.0, kv_bytes=full_bytes,
                        full_kv_bytes=full_bytes, max_kv_bytes=full_bytes, visual_share=None,
-                       visual_share_per_layer=None, turn_accuracy=turns, seconds=round(time.time() - start, 2))
+                       visual_share_per_layer=None, turn_accuracy=turns,
+                       questions=_question_records(items, [hits for hits, _, _ in ref]),
+                       seconds=round(time.time() - start, 2))
             return row
         results = []
         try:
@@ -271,6 +274,7 @@ class MultimodalBench:
                    visual_share=float(np.mean(per_layer)) if per_layer else None,
                    visual_share_per_layer=per_layer,
                    turn_accuracy=_turn_accuracy([r.hits for r in results]),
+                   questions=_question_records(items, [hits for hits, _, _ in ref], results),
                    seconds=round(time.time() - start, 2))
         return row
 
@@ -283,7 +287,25 @@ class MultimodalBench:
         logps, held, _ = self._forced_logprobs(item, forced)
         kl = float(np.mean([float((p.exp() * (p - q)).sum()) for p, q in zip(ref_logps, logps)]))
         max_bytes = int(getattr(forced, "max_kv_bytes", held))
-        return _ItemResult(hits, kl, held, max_bytes, full_bytes, visual)
+        return _ItemResult(hits, answers, kl, held, max_bytes, full_bytes, visual)
+
+
+def _question_records(items: list[Item], full_hits: list[list[bool]],
+                      results: list[_ItemResult] | None = None) -> list[dict]:
+    """One record per question, so that a miss can be traced to its item, turn, image and kind without a
+    rerun: ``correct`` is this cache's answer (the full cache's in the full row), ``full_correct`` the full
+    cache's, ``given`` the answer this cache generated (compressed rows only: the saved full pass keeps hits)."""
+    records = []
+    for i, item in enumerate(items):
+        for turn, q in enumerate(item.questions):
+            record = {"item": item.index, "turn": turn + 1, "image": q.image_index, "images": len(item.scenes),
+                      "kind": q.kind, "answer": q.answer, "full_correct": bool(full_hits[i][turn])}
+            if results is None:
+                record["correct"] = record["full_correct"]
+            else:
+                record.update(correct=bool(results[i].hits[turn]), given=results[i].answers[turn])
+            records.append(record)
+    return records
 
 
 def _turn_accuracy(per_item_hits: list[list[bool]]) -> list[float]:

@@ -7,6 +7,8 @@
 # --allocation-kwargs) go to a folder of their own; --reference-dir DIR shares the full cache's
 # pass between folders. sweep_single.sh and sweep_multi_turn.sh set TASK and ITEMS. MODEL=smollava:FOLDER
 # measures candidate trained parts (a `train-vlm --export` folder) instead of the shipped ones.
+# Arguments come after the defaults here and win: `--data-seed 2` sweeps the second held-out set
+# (session 32; give it a --reference-dir of its own).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TASK=${TASK:?set TASK to single, multi_image or multi_turn}

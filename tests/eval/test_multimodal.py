@@ -42,6 +42,19 @@ def test_compressed_rows_hold_fewer_bytes_and_report_visual_share(tiny):
     assert same["kl"] < 1e-4
 
 
+def test_rows_record_each_question_so_a_miss_can_be_traced(tiny):
+    bench = _bench(tiny)
+    for full, row in zip(bench.run("full", 1.0), bench.run("snapkv", 0.1)):
+        items = bench.items(row["task"])
+        expected = [(it.index, k + 1, q.image_index, q.kind, q.answer) for it in items for k, q in enumerate(it.questions)]
+        for r in (full, row):
+            assert [(x["item"], x["turn"], x["image"], x["kind"], x["answer"]) for x in r["questions"]] == expected
+            assert sum(x["correct"] for x in r["questions"]) / len(expected) == pytest.approx(r["accuracy"])
+            assert sum(x["full_correct"] for x in r["questions"]) / len(expected) == pytest.approx(r["full_accuracy"])
+        assert all(isinstance(x["given"], str) for x in row["questions"])
+        assert "given" not in full["questions"][0]
+
+
 def test_a_policy_that_cannot_run_is_a_row_with_its_error(tiny):
     (row, _) = _bench(tiny).run("dbtrimkv", 0.1)  # no gates exist for the tiny model
     assert row["error"] and "gates" in row["error"]
