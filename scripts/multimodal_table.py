@@ -78,7 +78,7 @@ def table(rows: list[dict], refused: list[dict] = ()) -> str:
                 parts.append("refused (below)")
                 continue
             ratio = r["max_kv_bytes"] / r["full_kv_bytes"] if r.get("full_kv_bytes") else None
-            parts.append(f"**{fmt(r['relative_accuracy'])}** ({fmt(r.get('visual_share'))}, "
+            parts.append(f"**{fmt(r['relative_accuracy'], '.3f')}** ({fmt(r.get('visual_share'))}, "
                          f"{fmt(r.get('kl'), '.3f')}, {fmt(ratio)}x)")
         lines.append(f"| {p} | " + " | ".join(parts) + " |")
     ran = {(r["policy"], float(r["budget"])) for r in rest}
