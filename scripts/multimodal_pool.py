@@ -21,42 +21,35 @@ import argparse
 import json
 from pathlib import Path
 
-from multimodal_table import ITEM_KEYS  # scripts/ is sys.path[0] when run as a script
+from multimodal_table import (
+    load as load_folders,  # scripts/ is sys.path[0] when run as a script
+)
+from multimodal_table import questions_per_turn
 from retrieval_table import wilson
-from vlm_kv.eval.visual_tasks import make_item
 
 
-def questions(settings: dict, task: str) -> int:
-    return sum(len(make_item(task, settings["data_seed"], i, images=settings["images"],
-                             kinds=settings["kinds"]).questions) for i in range(settings["items"]))
+def _data_seed(spec: str) -> int:
+    folder = spec.partition(":")[0]
+    return json.loads((Path(folder) / "sweep_multimodal.json").read_text())["settings"]["data_seed"]
 
 
 def load(specs: list[str], task: str) -> dict[int, dict]:
-    """Per data seed: its question count, the full cache's correct answers and each cell's."""
-    seeds: dict[int, dict] = {}
+    """Per data seed: its question count, the full cache's correct answers and each cell's. Each seed's
+    folders go through ``multimodal_table.load`` (same items, the same full-cache row, labels applied)."""
+    groups: dict[int, list[str]] = {}
     for spec in specs:
-        folder, _, label = spec.partition(":")
-        state = json.loads((Path(folder) / "sweep_multimodal.json").read_text())
-        settings = {k: state["settings"].get(k) for k in ITEM_KEYS}
-        seed = seeds.setdefault(settings["data_seed"], {"settings": settings, "cells": {}, "folders": []})
-        if settings != seed["settings"]:
-            raise SystemExit(f"{folder}: other items than the seed's first folder: {settings} vs {seed['settings']}")
-        if "n" not in seed:
-            seed["n"] = questions(settings, task)
-        seed["folders"].append(spec)
-        for r in state["rows"]:
-            if r["task"] != task or r.get("error") or r.get("accuracy") is None:
-                continue
-            full = round(r["full_accuracy"] * seed["n"])
-            if seed.setdefault("full", full) != full:
-                raise SystemExit(f"{folder}: the full cache answers {full}, another folder of seed "
-                                 f"{settings['data_seed']} {seed['full']}")
-            if r["policy"] == "full":
-                continue
-            key = (r["policy"] + label, r["budget"])
-            if key in seed["cells"]:
-                raise SystemExit(f"{key} appears twice for data seed {settings['data_seed']}")
-            seed["cells"][key] = {"correct": round(r["accuracy"] * seed["n"]), "kl": r["kl"]}
+        groups.setdefault(_data_seed(spec), []).append(spec)
+    seeds: dict[int, dict] = {}
+    for data_seed, folders in groups.items():
+        (full, *rows), settings, _ = load_folders(folders, task)
+        n = sum(questions_per_turn(settings, task))
+        cells: dict[tuple, dict] = {}
+        for r in rows:
+            key = (r["policy"], r["budget"])
+            if key in cells:
+                raise SystemExit(f"{key} appears twice for data seed {data_seed}")
+            cells[key] = {"correct": round(r["accuracy"] * n), "kl": r["kl"]}
+        seeds[data_seed] = {"n": n, "full": round(full["accuracy"] * n), "cells": cells, "folders": folders}
     return seeds
 
 

@@ -62,5 +62,5 @@ def test_labels_separate_folders_of_one_seed(pool, tmp_path):
 def test_refuses_folders_whose_full_cache_disagrees(pool, tmp_path):
     a = _folder(tmp_path, "a", 1, full=8, cells={})
     b = _folder(tmp_path, "b", 1, full=7, cells={})
-    with pytest.raises(SystemExit, match="full cache answers"):
+    with pytest.raises(SystemExit, match="full cache"):
         pool.load([a, b], "multi_turn")
