@@ -55,10 +55,12 @@ def encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int],
 
 
 @torch.no_grad()
-def answer(model, tokenizer, item: Item, max_new_tokens: int = 8, cache=None) -> list[str]:
+def answer(model, tokenizer, item: Item, max_new_tokens: int = 8, cache=None, **generate_kwargs) -> list[str]:
     """Greedy answers to every question of ``item``, turn by turn on one cache, as a chat runs:
     each turn's prompt is appended to the tokens the model has seen and written so far, so
-    turn k prefills only its own question on top of the (possibly compressed) cache."""
+    turn k prefills only its own question on top of the (possibly compressed) cache.
+    ``generate_kwargs`` go to every turn's ``generate`` (e.g. a logits processor that inspects the
+    cache when a turn's first answer token is predicted)."""
 
     cache = DynamicCache() if cache is None else cache
     device = next(model.parameters()).device
@@ -76,7 +78,7 @@ def answer(model, tokenizer, item: Item, max_new_tokens: int = 8, cache=None) ->
             history = torch.cat([history, more], dim=1)
         out = model.generate(input_ids=history, attention_mask=torch.ones_like(history), past_key_values=cache,
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end_id,
-                             pad_token_id=tokenizer.pad_token_id, **kwargs)
+                             pad_token_id=tokenizer.pad_token_id, **kwargs, **generate_kwargs)
         answers.append(tokenizer.decode(out[0, history.shape[1]:], skip_special_tokens=True).strip())
         history = out
     return answers
