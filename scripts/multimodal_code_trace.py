@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
-
-from vlm_kv.api import make_cache
 from vlm_kv.eval.visual_qa import answer
 from vlm_kv.eval.visual_tasks import GRID, answer_matches, make_item, normalize_answer
+
+from vlm_kv.api import make_cache
 from vlm_kv.models.named import load_vlm
 from vlm_kv.models.smollava import IMAGE_TOKEN_ID, IMAGE_TOKENS
 

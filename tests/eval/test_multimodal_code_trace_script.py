@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from vlm_kv.eval.visual_qa import answer
 from vlm_kv.eval.visual_tasks import GRID, make_item
+
 from vlm_kv.models.smollava import IMAGE_TOKEN_ID, IMAGE_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,22 +58,22 @@ class _Layer:
         return self.p, self.t
 
 
+class _Cache:  # two layers, two KV heads; -1 pads a shorter head
+    layers = (_Layer([[3, 4, 9], [4, -1, -1]], [[0, 1, 0], [1, 0, 0]]), _Layer([[9, 9, 9], [3, 4, 5]], [[0, 0, 0], [1, 1, 0]]))
+
+
 def test_tier_counts_per_layer_and_head(trace):
-    class Cache:  # two layers, two KV heads; -1 pads a shorter head
-        layers = [_Layer([[3, 4, 9], [4, -1, -1]], [[0, 1, 0], [1, 0, 0]]), _Layer([[9, 9, 9], [3, 4, 5]], [[0, 0, 0], [1, 1, 0]])]
-    counts = trace.tier_counts(Cache(), [3, 4])
+    counts = trace.tier_counts(_Cache(), [3, 4])
     assert counts[0] == {"fp": [1, 0], "int2": [0, 1], "evicted": [1, 1]}
     assert counts[1] == {"fp": [0, 0], "int2": [2, 1], "evicted": [0, 1]}
 
 
 def test_tier_totals_count_every_layer_head_and_position(trace):
-    class Cache:
-        layers = [_Layer([[3, 4, 9], [4, -1, -1]], [[0, 1, 0], [1, 0, 0]]), _Layer([[9, 9, 9], [3, 4, 5]], [[0, 0, 0], [1, 1, 0]])]
-    assert trace.tier_totals(Cache(), [3, 4, 7]) == {"fp": 1, "int2": 4, "evicted": 2 * 2 * 3 - 5}
+    assert trace.tier_totals(_Cache(), [3, 4, 7]) == {"fp": 1, "int2": 4, "evicted": 2 * 2 * 3 - 5}
 
 
 def test_summary_groups_kept_and_dropped_characters(trace):
-    ch = lambda fp, q, e: {"fp": [fp], "int2": [q], "evicted": [e]}  # noqa: E731
+    ch = lambda fp, q, e: {"fp": [fp], "int2": [q], "evicted": [e]}
     rows = [{"correct": True, "kept": [True, True], "chars": [ch(1, 0, 0), ch(1, 0, 0)]},
             {"correct": False, "kept": [True, False], "chars": [ch(0, 1, 0), ch(0, 0, 1)]},
             # wrong with the full cache too: not a loss of this cache
@@ -91,7 +91,7 @@ def test_summary_groups_kept_and_dropped_characters(trace):
 
 def test_full_answers_join_by_seed_item_and_turn(trace, tmp_path):
     import json
-    q = lambda item, turn, ok: {"item": item, "turn": turn, "full_correct": ok}  # noqa: E731
+    q = lambda item, turn, ok: {"item": item, "turn": turn, "full_correct": ok}
     for seed in (1, 2):
         folder = tmp_path / str(seed)
         folder.mkdir()
