@@ -7,7 +7,7 @@
 Each argument is a `vlm-kv sweep --task multimodal` folder, with an optional label suffix as in
 ``multimodal_table.py`` (``DIR:+tiers``). Folders are grouped by the data seed they swept; within a
 seed their full-cache rows must agree (else the script refuses), and a (cache, budget) must come
-from each seed exactly once to be pooled: a cell run on one seed only is listed as such, not pooled.
+from each seed exactly once to be pooled: a cell not run on every seed is listed with its seeds, not pooled.
 Why pool: one question is 1.1 points of a 16-chat table; two seeds halve what one question moves.
 The number of questions per seed comes from the generator (``make_item``), since a row stores
 accuracies. Writes ``pooled.json`` and ``pooled.md`` (relative accuracy = correct / the full cache's
@@ -82,7 +82,7 @@ def table(rows: list[dict], seeds: dict[int, dict]) -> str:
     for r in rows:
         cells = [f"{r['per_seed'][str(s)]['correct']}" if str(s) in r["per_seed"] else "not run" for s in names]
         pooled = (f"{r['relative']:.3f} ({r['relative_lo']:.2f}-{r['relative_hi']:.2f}), {r['correct']} / {r['full']}"
-                  if "relative" in r else "one seed only")
+                  if "relative" in r else "not pooled: seed " + ", ".join(str(s) for s in r["seeds"]) + " only")
         kl = f"{r['kl']:.3f}" if "relative" in r else ""
         lines.append(f"| {r['cache']} | {r['budget']} | " + " | ".join(cells) + f" | {pooled} | {kl} |")
     return "\n".join(lines) + "\n"

@@ -48,6 +48,9 @@ def test_pools_counts_over_seeds_and_keeps_one_seed_cells_apart(pool, tmp_path):
     assert gates["kl"] == pytest.approx((0.2 * n1 + 0.1 * n2) / (n1 + n2))
     assert gates["relative_lo"] < gates["relative"] < gates["relative_hi"]
     assert "relative" not in rows[("snapkv", 0.1)] and rows[("snapkv", 0.1)]["seeds"] == [1]
+    seeds = pool.load([a, b], "multi_turn")
+    md = pool.table(pool.pool(seeds), seeds)
+    assert "| snapkv | 0.1 | 3 | not run | not pooled: seed 1 only |" in md
 
 
 def test_labels_separate_folders_of_one_seed(pool, tmp_path):
