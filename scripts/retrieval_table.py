@@ -40,6 +40,22 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def variant_label(policy: str, settings: dict, gate_set: str) -> str:
+    """What sets a run apart from the policy's default, in its label: the gate set of a gated policy
+    (or of a strategy's gated patterns), the strategy file, the scorer's fields. A variant must not
+    pool into the default's cell (session 30's span-5 run would have, under the old labels)."""
+    kwargs = settings.get("cache_kwargs") or {}
+    label = ""
+    if "trimkv" in policy or (policy == "polykv" and kwargs.get("gates")):
+        label += f" [{gate_set}]"
+    if kwargs.get("strategy"):
+        label += f" <{Path(kwargs['strategy']).stem}>"
+    fields = (kwargs.get("options") or {}).get("scorer_kwargs") or {}
+    if fields:
+        label += " {" + ", ".join(f"{k}={v}" for k, v in sorted(fields.items())) + "}"
+    return label
+
+
 def rows(folder: Path) -> list[dict]:
     out = []
     paths = sorted(folder.glob("*/sweep_retrieval.json")) + sorted(folder.glob("*/*/sweep_retrieval.json"))
@@ -60,8 +76,8 @@ def rows(folder: Path) -> list[dict]:
             hits = sum(1 for x in r["records"] if x["correct"])
             full = r["full_accuracy"] or float("nan")
             lo, hi = wilson(hits, n)
-            tag = f" [{gate_set}]" if "trimkv" in r["policy"] else ""
-            cache = f"{r['policy']}{tag}{' + tiers' if tiers else ''} ({'bf16' if dtype == 'bfloat16' else 'fp32'})"
+            cache = f"{r['policy']}{variant_label(r['policy'], settings, gate_set)}{' + tiers' if tiers else ''} " \
+                    f"({'bf16' if dtype == 'bfloat16' else 'fp32'})"
             out.append({"cache": cache, "ask": ask, "budget": r["budget"], "n": n, "hits": hits,
                         "full_hits": sum(1 for x in r["records"] if x["full_correct"]), "accuracy": r["accuracy"],
                         "full_accuracy": r["full_accuracy"], "relative": r["accuracy"] / full,

@@ -89,3 +89,52 @@ def test_a_pooled_cache_routes_tiers_and_generates():
                          do_sample=False, cache=cache)
     assert out.shape[1] == ids.shape[1] + 20
     assert cache.max_kv_bytes <= cache.budget_bytes()
+
+
+def test_shared_heads_score_a_position_by_its_best_head_matched_by_position():
+    from vlm_kv.policies.retention import best_over_heads
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 3, 5, generator=g)
+    # ragged rows: the heads hold different positions at the same slots, some slots empty
+    positions = torch.tensor([[[0, 2, 4, 6, 8], [2, 3, 4, 5, 9], [0, 1, 2, 3, 4]],
+                              [[1, 2, 3, 0, 0], [0, 1, 3, 7, 0], [3, 7, 8, 9, 10]]])
+    valid = torch.ones(2, 3, 5, dtype=torch.bool)
+    valid[1, 0, 3:] = False
+    valid[1, 1, 4] = False
+    scores[1, 0, 3:] = 100.0  # empty slots: their score must reach no other head
+    out = best_over_heads(scores, positions, valid)
+    for b in range(2):
+        for h in range(3):
+            for i in range(5):
+                if not valid[b, h, i]:
+                    assert out[b, h, i] == scores[b, h, i]
+                    continue
+                same = (positions[b] == positions[b, h, i]) & valid[b]
+                assert out[b, h, i] == scores[b][same].max()
+    assert not RetentionScorer(share_heads=True).score_is_per_entry
+    with pytest.raises(ValueError, match="share_heads must be a bool"):
+        RetentionScorer(share_heads=1)
+
+
+def test_shared_heads_keep_whole_positions_in_a_layer_and_hold_the_budget():
+    """Untiered global eviction with shared heads: each layer's heads hold the same positions (a tie at
+    the budget's edge may split one position), where unshared gates keep each head its own."""
+    model = tiny_model("llama", num_layers=3)
+    gates = tiny_gates(model, kind="dbtrimkv")
+    ids = torch.randint(16, 200, (1, 100), generator=torch.Generator().manual_seed(0))
+    split = {}
+    for share in (False, True):
+        cache = vlm_kv.make_cache(model, policy="dbtrimkv", budget=0.25, gates=gates,
+                                  options=CacheOptions(scorer_kwargs={"share_heads": share}))
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             min_new_tokens=12, do_sample=False, cache=cache)
+        assert out.shape[1] == 112
+        assert cache.max_kv_bytes <= cache.budget_bytes()
+        split[share] = 0
+        for layer in cache.layers:
+            held = layer.held_positions()[0][0]  # [H, L], -1 where empty
+            sets = [set(p[p >= 0].tolist()) for p in held]
+            union = set().union(*sets)
+            split[share] += sum(1 for p in union if not all(p in s for s in sets))
+    assert split[True] <= 1
+    assert split[False] > 10

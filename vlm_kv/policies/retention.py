@@ -29,7 +29,13 @@ class RetentionScorer(Scorer):
     against 8 without (the budget goes to every well-retained token's neighbours), so it stays off by
     default. Scores then depend on the neighbours, so a global
     step cannot drop entries layer by layer during a prefill (the evictor checks
-    ``score_is_per_entry``)."""
+    ``score_is_per_entry``).
+
+    ``share_heads``: every KV head of a layer scores a position by the best retention any head of
+    that layer gives it, so a token one head keeps is kept (or dropped) by all of them together.
+    Why: at 0.05 the untiered gates kept planted codes piecemeal, a few digits in a few heads, while
+    KVzip, which keeps fewer heads' worth of whole tokens, answered more (docs/retrieval.md, sessions
+    28-30). Off by default (the reference); see docs/retrieval.md, session 34, for what it measured."""
 
     name: ClassVar[str] = "retention"
     state_names: ClassVar[tuple[str, ...]] = ("log_beta",)
@@ -37,14 +43,17 @@ class RetentionScorer(Scorer):
     score_reads_keys: ClassVar[bool] = False  # gate outputs and positions only
     num_sinks: int = 4
     span: int = 1
+    share_heads: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.span, int) or isinstance(self.span, bool) or self.span < 1 or self.span % 2 == 0:
             raise ValueError(f"span must be an odd int >= 1 (entries centred on each one), got {self.span!r}")
+        if not isinstance(self.share_heads, bool):
+            raise ValueError(f"share_heads must be a bool, got {self.share_heads!r}")  # noqa: TRY004 (config errors are ValueErrors)
 
     @property
     def score_is_per_entry(self) -> bool:  # type: ignore[override]
-        return self.span == 1
+        return self.span == 1 and not self.share_heads
 
     @property
     def sinks(self) -> int:
@@ -52,7 +61,24 @@ class RetentionScorer(Scorer):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         scores = retention_scores(ctx.view.state["log_beta"], ctx.view.positions, ctx.seen)
-        if self.span == 1:
-            return scores
-        # empty slots must not lend their neighbours a score
-        return pool_along_entries(scores.masked_fill(~ctx.view.valid, float("-inf")), self.span, "max")
+        # empty slots must not lend their neighbours (or the other heads) a score
+        if self.span > 1:
+            scores = pool_along_entries(scores.masked_fill(~ctx.view.valid, float("-inf")), self.span, "max")
+        if self.share_heads:
+            scores = best_over_heads(scores, ctx.view.positions, ctx.view.valid)
+        return scores
+
+
+def best_over_heads(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each valid entry's score replaced by the best score any head of its row gives the same
+    position; the heads may hold different positions at different slots (ragged stores), so this
+    matches by position, not by slot. scores, positions, valid: [B, H, L]; empty slots keep theirs."""
+    b, h, n = scores.shape
+    if n == 0:
+        return scores
+    pos = torch.where(valid, positions, torch.zeros_like(positions)).long().reshape(b, h * n)
+    own = scores.masked_fill(~valid, float("-inf")).reshape(b, h * n)
+    best = torch.full((b, int(pos.max()) + 1), float("-inf"), dtype=scores.dtype, device=scores.device)
+    best = best.scatter_reduce(1, pos, own, reduce="amax", include_self=True)
+    shared = best.gather(1, pos).view(b, h, n)
+    return torch.where(valid, shared, scores)
