@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated kinds of planted facts, from {','.join(FACT_KINDS)} (default all)")
     p.add_argument("--answer-weight", type=float, default=0.0,
                    help="extra weight of the distillation loss on the planted facts' answer tokens (needs --facts-share)")
+    p.add_argument("--teacher-weight", type=float, default=0.0,
+                   help="weight of the reconstruction teacher: the gates' ranking held against the entries KVzip "
+                        "keeps at the step's budget (train/teacher.py; text samples only; 0 = off)")
+    p.add_argument("--teacher-temperature", type=float, default=1.0,
+                   help="scale of the teacher's logistic loss, in nats of retention score")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -79,7 +84,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         save_every=args.save_every, seed=args.seed, kind=args.kind, coupled=not args.uncoupled,
         width=args.width, init_bias=args.init_bias, lambda_cap=args.lambda_cap, stop_at=args.stop_at,
         progress=not args.no_progress, facts_share=args.facts_share, facts_per_sample=args.facts_per_sample,
-        facts_kinds=args.facts_kinds, answer_weight=args.answer_weight,
+        facts_kinds=args.facts_kinds, answer_weight=args.answer_weight, teacher_weight=args.teacher_weight,
+        teacher_temperature=args.teacher_temperature,
     )
 
 

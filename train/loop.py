@@ -58,6 +58,7 @@ from vlm_kv.gates.retention_gate import GateConfig, RetentionGates
 from vlm_kv.train.data import FactsMix, TrainingData
 from vlm_kv.train.losses import budget_from_fraction, capacity_loss, distill_losses
 from vlm_kv.train.soft_retention import SoftRetention
+from vlm_kv.train.teacher import ranking_loss, reconstruction_kept
 
 from vlm_kv.api import attach
 from vlm_kv.models.named import load_model_and_processor
@@ -105,6 +106,10 @@ class TrainConfig:
     # The answers: those of the planted-fact chats, and the assistant turns of conversation data
     # (e.g. questions about images asked after them, vlm_kv.eval.visual_export)
     answer_weight: float = 0.0
+    # weight of the reconstruction teacher (train/teacher.py): the gates' end-of-sample ranking held
+    # against the entries KVzip keeps at the step's budget; 0 = off. Text samples only.
+    teacher_weight: float = 0.0
+    teacher_temperature: float = 1.0
     extra: dict = field(default_factory=dict)
 
 
@@ -139,6 +144,9 @@ def check_data(cfg: TrainConfig) -> None:
         raise ValueError(f"answer_weight {cfg.answer_weight} needs to be >= 0, and > 0 only with a facts share "
                          "(the answers of the planted-fact chats) or conversation data (.jsonl: the answers "
                          "are its assistant turns)")
+    if cfg.teacher_weight < 0 or cfg.teacher_temperature <= 0:
+        raise ValueError(f"teacher_weight must be >= 0 and teacher_temperature > 0, got {cfg.teacher_weight} and "
+                         f"{cfg.teacher_temperature}")
     for path in cfg.data:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"training data file not found: {path}")
@@ -221,6 +229,8 @@ def _training_info(cfg: TrainConfig) -> dict:
         "capacity": "exact O(T^2) double sum" if cfg.exact_capacity else "O(T) rate-grid scan, grid step 0.25",
         "facts_share": cfg.facts_share, "facts_per_sample": cfg.facts_per_sample,
         "facts_kinds": list(cfg.facts_kinds), "answer_weight": cfg.answer_weight,
+        "teacher": ({"kind": "kvzip reconstruction kept set at the step's budget", "weight": cfg.teacher_weight,
+                     "temperature": cfg.teacher_temperature} if cfg.teacher_weight > 0 else None),
     }
 
 
@@ -320,7 +330,7 @@ def train_gates(config: TrainConfig | dict) -> dict:
     gate_params = [p for p in gates.parameters()]
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        sums = torch.zeros(6, device=device)  # loss, kl, ce, cap, answer kl, tokens
+        sums = torch.zeros(8, device=device)  # loss, kl, ce, cap, answer kl, teacher loss, agreement, tokens
         live_sum = None
         fraction = sampled_budget(cfg, step)
         for micro in range(cfg.grad_accum):
@@ -342,9 +352,19 @@ def train_gates(config: TrainConfig | dict) -> dict:
                 if answer_mask is not None and answer_mask.any():
                     answer_kl, answer_ce = distill_losses(logits, teacher, labels.masked_fill(~answer_mask, -100))
                     loss = loss + cfg.answer_weight * 0.5 * (answer_kl + answer_ce)
+                teacher_loss = agreement = torch.zeros((), device=device)
+                if cfg.teacher_weight > 0:
+                    if "pixel_values" in batch or "pixel_values_videos" in batch:
+                        raise ValueError("the reconstruction teacher reads samples back as text; this batch has "
+                                         "images or video")
+                    f = fraction if fraction is not None else min(1.0, cfg.budget_tokens / batch["input_ids"].shape[1])
+                    kept = reconstruction_kept(model, data.tokenizer, batch["input_ids"], batch["attention_mask"], f)
+                    terms = ranking_loss(log_betas, kept, cfg.teacher_temperature)
+                    teacher_loss, agreement = terms.loss, terms.agreement
+                    loss = loss + cfg.teacher_weight * teacher_loss
                 accelerator.backward(loss / cfg.grad_accum)
             sums += torch.stack([loss.detach(), kl.detach(), ce.detach(), cap.detach(), answer_kl.detach(),
-                                 batch["attention_mask"].sum().float()])
+                                 teacher_loss.detach(), agreement, batch["attention_mask"].sum().float()])
             live_sum = live if live_sum is None else live_sum + live
         if cfg.grad_clip:
             grad_norm = accelerator.clip_grad_norm_(gate_params, cfg.grad_clip)
@@ -352,17 +372,18 @@ def train_gates(config: TrainConfig | dict) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        stats = accelerator.reduce(sums / torch.tensor([cfg.grad_accum] * 5 + [1.0], device=device), "mean")
+        stats = accelerator.reduce(sums / torch.tensor([cfg.grad_accum] * 7 + [1.0], device=device), "mean")
         live_mean = accelerator.reduce(live_sum / cfg.grad_accum, "mean")
         dt = time.perf_counter() - t0
         times.append(dt)
         done = step + 1
         metrics = {
             "step": done, "loss": stats[0].item(), "kl": stats[1].item(), "ce": stats[2].item(),
-            "cap": stats[3].item(), "answer_kl": stats[4].item(), "live": live_mean.mean().item(), "budget": fraction,
+            "cap": stats[3].item(), "answer_kl": stats[4].item(), "teacher_loss": stats[5].item(),
+            "teacher_agreement": stats[6].item(), "live": live_mean.mean().item(), "budget": fraction,
             "live_per_head": [[round(x, 5) for x in row] for row in live_mean.tolist()],
             "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if cfg.grad_clip else None,
-            "tokens": int(stats[5].item() * world), "sec": round(dt, 4), "data_position": data.position,
+            "tokens": int(stats[7].item() * world), "sec": round(dt, 4), "data_position": data.position,
         }
         if accelerator.is_main_process:
             with open(metrics_path, "a") as fh:

@@ -20,6 +20,10 @@
 #   facts2048-lowb: as facts2048-aw05 with --budget-range 0.02,0.12
 # Session 27: neither 2048-token run kept more facts; a recipe change instead of more of it:
 #   facts-s100-aw05: as facts-aw05 (from v3, 60 steps at 1024) with every sample a facts chat
+# Session 35, after sharing heads, kvzip's layer split and pooling left the untiered 0.05 later cell at
+#   8 of 24 against kvzip's 16: gates taught kvzip's choice of entries (train/teacher.py)
+#   teach-w1: the shipped facts-aw05 gates + 60 steps of their recipe with the reconstruction teacher
+#             at weight 1 (--teacher-weight 1: KVzip's kept set at each step's budget as a ranking target)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -32,6 +36,8 @@ for name in $ONLY; do
     facts-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
     facts-s25-aw1) extra="--facts-share 0.25 --facts-kinds name,date,list --answer-weight 1" ;;
     facts-s100-aw05) extra="--facts-share 1 --facts-kinds name,date,list --answer-weight 0.5" ;;
+    teach-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1" ;;
+    teach-w03) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 0.3" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
     facts2048-aw05) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5" ;;
@@ -39,7 +45,10 @@ for name in $ONLY; do
     *) echo "unknown run $name" >&2; exit 2 ;;
   esac
   init=$(bash docs/retrieval/v3_gates.sh) len=1024 steps=60
-  case $name in facts2048-*) init=docs/retrieval/gates/facts-aw05 len=2048 steps=30 ;; esac
+  case $name in
+    facts2048-*) init=docs/retrieval/gates/facts-aw05 len=2048 steps=30 ;;
+    teach-*) init=docs/retrieval/gates/facts-aw05 ;;
+  esac
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
     --data ../shared/data/text/pg1342.txt --global --budget-range ${range:-0.05,0.3} --max-length $len \
     --steps $steps --warmup 5 --lr 3e-3 --min-lr 3e-4 --width 64 --seed 2 --save-every 5 \
