@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "keeps at the step's budget (train/teacher.py; text samples only; 0 = off)")
     p.add_argument("--teacher-temperature", type=float, default=1.0,
                    help="scale of the teacher's logistic loss, in nats of retention score")
+    p.add_argument("--teacher-per-layer", action="store_true",
+                   help="the teacher's kept set ranked within each layer (KVzip's choice inside a layer; the split "
+                        "between layers left to the gates) instead of over all layers")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -85,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         width=args.width, init_bias=args.init_bias, lambda_cap=args.lambda_cap, stop_at=args.stop_at,
         progress=not args.no_progress, facts_share=args.facts_share, facts_per_sample=args.facts_per_sample,
         facts_kinds=args.facts_kinds, answer_weight=args.answer_weight, teacher_weight=args.teacher_weight,
-        teacher_temperature=args.teacher_temperature,
+        teacher_temperature=args.teacher_temperature, teacher_per_layer=args.teacher_per_layer,
     )
 
 

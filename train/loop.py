@@ -110,6 +110,7 @@ class TrainConfig:
     # against the entries KVzip keeps at the step's budget; 0 = off. Text samples only.
     teacher_weight: float = 0.0
     teacher_temperature: float = 1.0
+    teacher_per_layer: bool = False  # rank KVzip's set within each layer (the split between layers left to the gates)
     extra: dict = field(default_factory=dict)
 
 
@@ -230,7 +231,9 @@ def _training_info(cfg: TrainConfig) -> dict:
         "facts_share": cfg.facts_share, "facts_per_sample": cfg.facts_per_sample,
         "facts_kinds": list(cfg.facts_kinds), "answer_weight": cfg.answer_weight,
         "teacher": ({"kind": "kvzip reconstruction kept set at the step's budget", "weight": cfg.teacher_weight,
-                     "temperature": cfg.teacher_temperature} if cfg.teacher_weight > 0 else None),
+                     "temperature": cfg.teacher_temperature,
+                     "ranked": "within each layer" if cfg.teacher_per_layer else "over all layers"}
+                    if cfg.teacher_weight > 0 else None),
     }
 
 
@@ -358,8 +361,9 @@ def train_gates(config: TrainConfig | dict) -> dict:
                         raise ValueError("the reconstruction teacher reads samples back as text; this batch has "
                                          "images or video")
                     f = fraction if fraction is not None else min(1.0, cfg.budget_tokens / batch["input_ids"].shape[1])
-                    kept = reconstruction_kept(model, data.tokenizer, batch["input_ids"], batch["attention_mask"], f)
-                    terms = ranking_loss(log_betas, kept, cfg.teacher_temperature)
+                    kept = reconstruction_kept(model, data.tokenizer, batch["input_ids"], batch["attention_mask"], f,
+                                               per_layer=cfg.teacher_per_layer)
+                    terms = ranking_loss(log_betas, kept, cfg.teacher_temperature, per_layer=cfg.teacher_per_layer)
                     teacher_loss, agreement = terms.loss, terms.agreement
                     loss = loss + cfg.teacher_weight * teacher_loss
                 accelerator.backward(loss / cfg.grad_accum)

@@ -8,7 +8,8 @@ the gates can learn from, per training sample:
 
 * ``reconstruction_kept``: the entries KVzip would keep at a budget fraction ``f`` of the sample,
   one ranking over every layer and head (``vlm_kv.reconstruction``'s read-back pass, its sinks
-  always kept);
+  always kept), or, with ``per_layer``, ``f`` of each layer's entries ranked within the layer (KVzip's
+  choice of entries inside a layer, the split between layers left to the gates);
 * ``ranking_loss``: the gates' own ranking at the end of the sample, score ``(T - 1 - i) * log
   beta_i`` (what DBTrimKV evicts by), held against that set: a class-balanced logistic loss on the
   score minus the gates' own ``f`` threshold, so the gradient moves entries across the line the
@@ -34,6 +35,17 @@ class RankingTerms:
     agreement: torch.Tensor  # scalar in [0, 1], detached
 
 
+def _ranked_groups(x: torch.Tensor, per_layer: bool) -> torch.Tensor:
+    """[L, B, H, T] -> the groups ranked together, [groups, entries]: one per sample, or per (layer, sample)."""
+    n_layers, b, h, t = x.shape
+    return x.reshape(n_layers * b, h * t) if per_layer else x.permute(1, 0, 2, 3).reshape(b, n_layers * h * t)
+
+
+def _ungroup(x: torch.Tensor, shape: torch.Size, per_layer: bool) -> torch.Tensor:
+    n_layers, b, h, t = shape
+    return x.reshape(shape) if per_layer else x.reshape(b, n_layers, h, t).permute(1, 0, 2, 3)
+
+
 def _top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Per row of ``scores`` [B, N]: True on its ``k`` largest entries (ties by index)."""
     idx = scores.topk(k, dim=-1).indices
@@ -48,26 +60,25 @@ def kept_count(fraction: float, entries: int) -> int:
 
 @torch.no_grad()
 def reconstruction_kept(model: torch.nn.Module, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        fraction: float, sinks: int = 4) -> torch.Tensor:
-    """KVzip's kept set at ``fraction`` of every layer's and head's entries: bool [L, B, H, T].
+                        fraction: float, sinks: int = 4, per_layer: bool = False) -> torch.Tensor:
+    """KVzip's kept set at ``fraction`` of every layer's and head's entries: bool [L, B, H, T]; ranked over
+    all layers, or within each layer (``per_layer``).
 
     Rows must be unpadded (a read-back of padding would score it); a padded batch raises."""
     if not bool(attention_mask.bool().all()):
         raise ValueError("the reconstruction teacher reads each sample back whole: train it with unpadded rows "
                          "(--batch-size 1, or samples of one length)")
     plan = plan_read_back(tokenizer, input_ids)
-    per_layer = reconstruction_scores(model, input_ids, plan, sinks=sinks)
-    scores = torch.stack(per_layer)  # [L, B, H, T]
+    scores = torch.stack(reconstruction_scores(model, input_ids, plan, sinks=sinks))  # [L, B, H, T]
     scores[..., :sinks] = float("inf")  # KVzip always keeps its sinks
-    n_layers, b, h, t = scores.shape
-    flat = scores.permute(1, 0, 2, 3).reshape(b, -1)
-    kept = _top_mask(flat, kept_count(fraction, flat.shape[1]))
-    return kept.reshape(b, n_layers, h, t).permute(1, 0, 2, 3)
+    flat = _ranked_groups(scores, per_layer)
+    return _ungroup(_top_mask(flat, kept_count(fraction, flat.shape[1])), scores.shape, per_layer)
 
 
-def ranking_loss(log_betas: list[torch.Tensor], kept: torch.Tensor, temperature: float = 1.0) -> RankingTerms:
+def ranking_loss(log_betas: list[torch.Tensor], kept: torch.Tensor, temperature: float = 1.0,
+                 per_layer: bool = False) -> RankingTerms:
     """The gates' end-of-sample ranking held against ``kept`` ([L, B, H, T] bool, from
-    ``reconstruction_kept``); ``log_betas``: per layer [B, H, T]."""
+    ``reconstruction_kept`` with the same ``per_layer``); ``log_betas``: per layer [B, H, T]."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     log_beta = torch.stack(log_betas).float()  # [L, B, H, T]
@@ -75,8 +86,8 @@ def ranking_loss(log_betas: list[torch.Tensor], kept: torch.Tensor, temperature:
         raise ValueError(f"teacher kept set {tuple(kept.shape)} does not match the gates' {tuple(log_beta.shape)}")
     t = log_beta.shape[-1]
     age = torch.arange(t - 1, -1, -1, device=log_beta.device, dtype=log_beta.dtype)
-    score = (age * log_beta).permute(1, 0, 2, 3).reshape(log_beta.shape[1], -1)  # [B, L*H*T]
-    target = kept.permute(1, 0, 2, 3).reshape(score.shape).to(score.device)
+    score = _ranked_groups(age * log_beta, per_layer)  # [groups, entries]
+    target = _ranked_groups(kept.to(score.device), per_layer)
     k = int(target.sum(-1).min())
     threshold = score.detach().topk(k, dim=-1).values[:, -1:]
     logits = (score - threshold) / temperature

@@ -24,6 +24,9 @@
 #   8 of 24 against kvzip's 16: gates taught kvzip's choice of entries (train/teacher.py)
 #   teach-w1: the shipped facts-aw05 gates + 60 steps of their recipe with the reconstruction teacher
 #             at weight 1 (--teacher-weight 1: KVzip's kept set at each step's budget as a ranking target)
+#   teach-layer-w1: as teach-w1 with KVzip's set ranked within each layer (--teacher-per-layer): teach-w1
+#             answered 4 of 24 on the 2048 validation cell at 0.05 (facts-aw05: 14), so keep the gates' own
+#             split between layers and teach only which entries inside a layer
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -37,6 +40,7 @@ for name in $ONLY; do
     facts-s25-aw1) extra="--facts-share 0.25 --facts-kinds name,date,list --answer-weight 1" ;;
     facts-s100-aw05) extra="--facts-share 1 --facts-kinds name,date,list --answer-weight 0.5" ;;
     teach-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1" ;;
+    teach-layer-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1 --teacher-per-layer" ;;
     teach-w03) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 0.3" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;

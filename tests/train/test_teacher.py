@@ -32,6 +32,19 @@ def test_kept_set_is_kvzips_global_top_entries_with_its_sinks(llama):
     assert scores[kept].min() >= scores[~kept].max()
 
 
+def test_kept_set_per_layer_takes_the_same_share_of_every_layer(llama):
+    model, tok = llama
+    ids = random_tokens(40, seed=3)
+    kept = reconstruction_kept(model, tok, ids, torch.ones_like(ids), fraction=0.2, sinks=2, per_layer=True)
+    heads = model.config.num_key_value_heads
+    per_layer = kept.sum(dim=(1, 2, 3))
+    assert per_layer.tolist() == [kept_count(0.2, heads * 40)] * model.config.num_hidden_layers
+    scores = torch.stack(reconstruction_scores(model, ids, plan_read_back(tok, ids), sinks=2))
+    scores[..., :2] = float("inf")
+    for layer in range(kept.shape[0]):  # ranked within the layer
+        assert scores[layer][kept[layer]].min() >= scores[layer][~kept[layer]].max()
+
+
 def test_kept_set_refuses_padded_rows_and_bad_fractions(llama):
     model, tok = llama
     ids = random_tokens(12, seed=1)
@@ -66,6 +79,19 @@ def test_ranking_loss_agrees_fully_when_the_gates_rank_as_the_teacher():
     worst[0, flat[0].topk(k, largest=False).indices] = True
     far = ranking_loss(log_betas, worst.reshape(1, 2, 2, t).permute(1, 0, 2, 3))
     assert far.agreement.item() == 0.0 and far.loss.item() > terms.loss.item()
+
+
+def test_per_layer_ranking_draws_a_line_in_each_layer():
+    # layer 0 scores every entry far below layer 1: ranked together, layer 1 takes the whole budget; ranked per
+    # layer, each keeps its own top entries, and a teacher set with a share of each layer is matched exactly
+    log_betas = [torch.full((1, 2, 10), -2.0), torch.full((1, 2, 10), -0.01)]
+    log_betas[0][0, 0, 3] = -0.1
+    log_betas[1][0, 1, 4] = -0.001
+    kept = torch.zeros(2, 1, 2, 10, dtype=torch.bool)
+    kept[0, 0, 0, 3] = kept[0, 0, :, 9] = True  # layer 0: its best old entry and the newest ones
+    kept[1, 0, 1, 4] = kept[1, 0, :, 9] = True
+    assert ranking_loss(log_betas, kept, per_layer=True).agreement.item() == pytest.approx(1.0)
+    assert ranking_loss(log_betas, kept).agreement.item() < 1.0
 
 
 def test_ranking_loss_raises_the_retention_of_what_the_teacher_keeps():
