@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of the reconstruction teacher: the gates' ranking held against the entries KVzip "
                         "keeps at the step's budget (train/teacher.py; text samples only; 0 = off)")
     p.add_argument("--teacher-temperature", type=float, default=1.0,
-                   help="scale of the teacher's logistic loss, in nats of retention score")
+                   help="scale of the teacher's logistic loss, in e-folds of an entry's decay")
     p.add_argument("--teacher-per-layer", action="store_true",
                    help="the teacher's kept set ranked within each layer (KVzip's choice inside a layer; the split "
                         "between layers left to the gates) instead of over all layers")

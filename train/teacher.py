@@ -12,9 +12,13 @@ the gates can learn from, per training sample:
   choice of entries inside a layer, the split between layers left to the gates);
 * ``ranking_loss``: the gates' own ranking at the end of the sample, score ``(T - 1 - i) * log
   beta_i`` (what DBTrimKV evicts by), held against that set: a class-balanced logistic loss on the
-  score minus the gates' own ``f`` threshold, so the gradient moves entries across the line the
-  cache would draw, not the whole scale. Also returned: the share of KVzip's kept entries that the
-  gates keep at the same budget (``agreement``, for the log).
+  score's log decay, ``-log(-score)``, minus the gates' own ``f`` threshold in the same units, so the
+  gradient moves entries across the line the cache would draw. Why the log: on the raw score the loss
+  has a way out that ranks nothing (every ``log beta`` scaled towards 0 shrinks every margin, and a
+  balanced loss of margins near 0 is log 2, below a poor ranking's); session 35's first runs took it
+  (the live fraction rose from 0.09 to 0.34 while the loss fell to 0.66). Scaling every ``log beta``
+  by one factor shifts every log decay alike, which the threshold absorbs. Also returned: the share of
+  KVzip's kept entries that the gates keep at the same budget (``agreement``, for the log).
 
 The read-back costs about two more forwards of the sample without gradients.
 """
@@ -27,6 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from vlm_kv.reconstruction import plan_read_back, reconstruction_scores
+
+#: decay (nats) below which entries count as equally fresh: the newest entry has none at all
+_DECAY_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -86,14 +93,18 @@ def ranking_loss(log_betas: list[torch.Tensor], kept: torch.Tensor, temperature:
         raise ValueError(f"teacher kept set {tuple(kept.shape)} does not match the gates' {tuple(log_beta.shape)}")
     t = log_beta.shape[-1]
     age = torch.arange(t - 1, -1, -1, device=log_beta.device, dtype=log_beta.dtype)
-    score = _ranked_groups(age * log_beta, per_layer)  # [groups, entries]
+    # log decay, higher = kept longer; ranks as the score does
+    score = -torch.log(_ranked_groups(-(age * log_beta), per_layer) + _DECAY_FLOOR)  # [groups, entries]
     target = _ranked_groups(kept.to(score.device), per_layer)
     k = int(target.sum(-1).min())
     threshold = score.detach().topk(k, dim=-1).values[:, -1:]
     logits = (score - threshold) / temperature
     per_entry = F.binary_cross_entropy_with_logits(logits, target.float(), reduction="none")
-    pos = target.float()
-    neg = 1.0 - pos
+    # the newest entry has no decay whatever its beta: nothing to learn there, and its fixed score would
+    # make the loss depend on the scale of the others
+    aged = _ranked_groups((age > 0).expand_as(log_beta), per_layer).float()
+    pos = target.float() * aged
+    neg = (1.0 - target.float()) * aged
     loss = 0.5 * ((per_entry * pos).sum() / pos.sum().clamp(min=1) + (per_entry * neg).sum() / neg.sum().clamp(min=1))
     with torch.no_grad():
         gates_kept = _top_mask(score.detach(), k)

@@ -27,6 +27,9 @@
 #   teach-layer-w1: as teach-w1 with KVzip's set ranked within each layer (--teacher-per-layer): teach-w1
 #             answered 4 of 24 on the 2048 validation cell at 0.05 (facts-aw05: 14), so keep the gates' own
 #             split between layers and teach only which entries inside a layer
+#   Both stopped (teach-layer-w1 at step 30): the loss on raw scores let every log beta shrink towards 0
+#   (live 0.09 -> 0.34, loss -> log 2) without ranking better. train/teacher.py now holds log decays.
+#   teachlog-layer-w1: teach-layer-w1 with that loss
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -41,6 +44,7 @@ for name in $ONLY; do
     facts-s100-aw05) extra="--facts-share 1 --facts-kinds name,date,list --answer-weight 0.5" ;;
     teach-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1" ;;
     teach-layer-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1 --teacher-per-layer" ;;
+    teachlog-layer-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1 --teacher-per-layer" ;;
     teach-w03) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 0.3" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
@@ -51,7 +55,7 @@ for name in $ONLY; do
   init=$(bash docs/retrieval/v3_gates.sh) len=1024 steps=60
   case $name in
     facts2048-*) init=docs/retrieval/gates/facts-aw05 len=2048 steps=30 ;;
-    teach-*) init=docs/retrieval/gates/facts-aw05 ;;
+    teach*) init=docs/retrieval/gates/facts-aw05 ;;
   esac
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
     --data ../shared/data/text/pg1342.txt --global --budget-range ${range:-0.05,0.3} --max-length $len \

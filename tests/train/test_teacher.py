@@ -107,6 +107,18 @@ def test_ranking_loss_raises_the_retention_of_what_the_teacher_keeps():
     assert log_betas[0].grad[0, :, -1].abs().max() == 0
 
 
+def test_ranking_loss_cannot_be_lowered_by_scaling_every_retention():
+    # every log beta times one factor ranks the same entries: the loss must not move (no way out that ranks nothing)
+    log_betas = _log_betas(requires_grad=False)
+    kept = torch.zeros(2, 1, 2, 10, dtype=torch.bool)
+    kept[..., 9] = True  # the newest entries, and four older ones
+    kept[0, 0, 0, 1] = kept[1, 0, 1, 3] = kept[1, 0, 0, 6] = kept[0, 0, 1, 2] = True
+    base = ranking_loss(log_betas, kept).loss.item()
+    for factor in (0.01, 0.3, 5.0):
+        scaled = ranking_loss([lb * factor for lb in log_betas], kept).loss.item()
+        assert scaled == pytest.approx(base, rel=0.02)
+
+
 def test_ranking_loss_refuses_a_mismatched_set():
     with pytest.raises(ValueError, match="does not match the gates"):
         ranking_loss(_log_betas(), torch.zeros(2, 1, 2, 9, dtype=torch.bool))
