@@ -30,6 +30,8 @@
 #   Both stopped (teach-layer-w1 at step 30): the loss on raw scores let every log beta shrink towards 0
 #   (live 0.09 -> 0.34, loss -> log 2) without ranking better. train/teacher.py now holds log decays.
 #   teachlog-layer-w1: teach-layer-w1 with that loss
+#   teachlog-layer-w01: as teachlog-layer-w1 at a tenth of the weight and 40 steps (teachlog-layer-w1 answered 0 of
+#             24 on the validation cell: its answers came apart, so the teacher must not outweigh distillation)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-runs/gates_facts}
@@ -45,6 +47,7 @@ for name in $ONLY; do
     teach-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1" ;;
     teach-layer-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1 --teacher-per-layer" ;;
     teachlog-layer-w1) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 1 --teacher-per-layer" ;;
+    teachlog-layer-w01) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 0.1 --teacher-per-layer" ;;
     teach-w03) extra="--facts-share 0.5 --facts-kinds name,date,list --answer-weight 0.5 --teacher-weight 0.3" ;;
     facts-aw0) extra="--facts-share 0.5 --facts-kinds name,date,list" ;;
     plain) extra="" ;;
@@ -55,6 +58,7 @@ for name in $ONLY; do
   init=$(bash docs/retrieval/v3_gates.sh) len=1024 steps=60
   case $name in
     facts2048-*) init=docs/retrieval/gates/facts-aw05 len=2048 steps=30 ;;
+    teachlog-layer-w01) init=docs/retrieval/gates/facts-aw05 steps=40 ;;
     teach*) init=docs/retrieval/gates/facts-aw05 ;;
   esac
   OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE vlm-kv train-gates --model smollm2 \
